@@ -1,0 +1,88 @@
+"""Engine configuration: what to serve and how to speculate."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .classifier import PromptClassifier
+from .schema import BatchRange, RuntimeSettings
+
+SpeculationMethod = Literal["none", "ngram", "draft_model"]
+
+
+class EngineConfig(BaseModel):
+    """Start-up configuration of one embedded engine instance.
+
+    ``num_speculative_tokens`` is the *capacity*: the largest N the runtime
+    settings may ask for without a rebuild.  ``initial`` is what is in force
+    until the control plane says otherwise.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Target model: a local HF directory")
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    method: SpeculationMethod = "draft_model"
+    draft_model: str | None = None
+    num_speculative_tokens: int = Field(default=5, ge=1, le=16)
+    ngram_prompt_lookup_min: int = Field(default=1, ge=1)
+    ngram_prompt_lookup_max: int = Field(default=4, ge=1)
+    max_model_len: int = Field(default=2048, ge=16)
+    max_num_seqs: int = Field(default=16, ge=1)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    kv_cache_space_gib: int = Field(default=2, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    seed: int = 0
+    instance_id: str = Field(default_factory=socket.gethostname)
+    initial: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    classifier: PromptClassifier = Field(default_factory=PromptClassifier)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("method 'draft_model' needs draft_model")
+        if self.ngram_prompt_lookup_max < self.ngram_prompt_lookup_min:
+            raise ValueError("ngram_prompt_lookup_max must be >= ngram_prompt_lookup_min")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.method == "none":
+            return None
+        if self.method == "ngram":
+            return {
+                "method": "ngram",
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.ngram_prompt_lookup_min,
+                "prompt_lookup_max": self.ngram_prompt_lookup_max,
+            }
+        return {
+            "method": "draft_model",
+            "model": self.draft_model,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+
+    def target_only(self) -> EngineConfig:
+        """The same engine without speculation (the degraded fallback)."""
+        return self.model_copy(update={"method": "none", "draft_model": None})
+
+
+def parse_batch_table(spec: str) -> list[BatchRange]:
+    """Parse ``"1-4:3,5-16:1,17-256:0"`` into batch ranges (CLI helper)."""
+    table = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            span, n = part.split(":")
+            lo, _, hi = span.partition("-")
+            table.append(
+                BatchRange(min_batch=int(lo), max_batch=int(hi or lo), num_speculative_tokens=int(n))
+            )
+        except ValueError as exc:
+            raise ValueError(f"bad batch range {part!r}: expected MIN-MAX:N ({exc})") from exc
+    return table

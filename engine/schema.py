@@ -1,0 +1,174 @@
+"""The small schema where the engine meets the rest of spectune.
+
+Three shapes cross the boundary, all plain pydantic models with no behaviour
+beyond validation and one pure lookup:
+
+* ``RequestRecord`` -- what the engine reports for every finished request.
+* ``StepRecord``    -- what the engine reports for every engine step.
+* ``RuntimeSettings`` -- what the control plane tells the engine to do
+  (speculation on/off, N, batch-size table, per prompt class).
+
+``engine/`` produces records and consumes settings; it never imports the
+store or the tuner.  Whoever wires the two (``spectune.serve``) passes these
+objects across.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class BatchRange(BaseModel):
+    """N for every batch size in ``[min_batch, max_batch]`` (inclusive)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_batch: int = Field(ge=1)
+    max_batch: int = Field(ge=1)
+    num_speculative_tokens: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BatchRange:
+        if self.max_batch < self.min_batch:
+            raise ValueError(
+                f"max_batch ({self.max_batch}) must be >= min_batch ({self.min_batch})"
+            )
+        return self
+
+
+def _check_table(table: list[BatchRange] | None) -> list[BatchRange] | None:
+    if not table:
+        return table
+    ordered = sorted(table, key=lambda r: r.min_batch)
+    for before, after in zip(ordered, ordered[1:]):
+        if after.min_batch <= before.max_batch:
+            raise ValueError(
+                f"batch ranges overlap: [{before.min_batch},{before.max_batch}] and "
+                f"[{after.min_batch},{after.max_batch}]"
+            )
+    return ordered
+
+
+class ClassSettings(BaseModel):
+    """Overrides for one prompt class; ``None`` inherits the global value."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    speculation_enabled: bool | None = None
+    num_speculative_tokens: int | None = Field(default=None, ge=0)
+    batch_table: list[BatchRange] | None = None
+
+    @model_validator(mode="after")
+    def _table(self) -> ClassSettings:
+        _check_table(self.batch_table)
+        return self
+
+
+class RuntimeSettings(BaseModel):
+    """Speculation settings the engine applies while serving.
+
+    ``num_speculative_tokens`` can never exceed the engine's capacity
+    (``EngineConfig.num_speculative_tokens``): vLLM sizes its buffers for it at
+    start-up.  Raising the capacity needs a rebuild, lowering N does not.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = Field(default=0, ge=0)
+    speculation_enabled: bool = True
+    num_speculative_tokens: int = Field(default=3, ge=0)
+    batch_table: list[BatchRange] | None = None
+    classes: dict[str, ClassSettings] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _table(self) -> RuntimeSettings:
+        _check_table(self.batch_table)
+        return self
+
+    def n_for(self, prompt_class: str, batch_size: int, capacity: int) -> int:
+        """N to use for a request of ``prompt_class`` in a batch of ``batch_size``.
+
+        Class override beats global; a batch table entry covering the batch
+        size beats the plain N; the result is clamped to the engine capacity.
+        """
+        override = self.classes.get(prompt_class)
+        enabled = self.speculation_enabled
+        n = self.num_speculative_tokens
+        table = self.batch_table
+        if override is not None:
+            if override.speculation_enabled is not None:
+                enabled = override.speculation_enabled
+            if override.num_speculative_tokens is not None:
+                n = override.num_speculative_tokens
+            if override.batch_table is not None:
+                table = override.batch_table
+        if not enabled:
+            return 0
+        for entry in table or ():
+            if entry.min_batch <= batch_size <= entry.max_batch:
+                n = entry.num_speculative_tokens
+                break
+        return max(0, min(n, capacity))
+
+
+class RequestRecord(BaseModel):
+    """Telemetry for one finished (or failed, or aborted) request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    instance_id: str
+    model: str
+    prompt_class: str
+    arrival_time: float = Field(description="Unix time the engine received the request")
+    first_token_time: float | None = None
+    finish_time: float
+    prompt_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+    ttft_s: float | None = Field(default=None, description="Arrival to first output token")
+    tpot_s: float | None = Field(
+        default=None, description="Mean time per output token after the first"
+    )
+    e2e_s: float = Field(ge=0)
+    speculation_method: Literal["none", "ngram", "draft_model"]
+    speculation_enabled: bool = Field(description="N in effect > 0 when the request was admitted")
+    num_speculative_tokens: int = Field(ge=0, description="N in effect at admission")
+    settings_version: int = 0
+    num_spec_steps: int = Field(default=0, ge=0)
+    num_draft_tokens: int = Field(default=0, ge=0)
+    num_accepted_tokens: int = Field(default=0, ge=0)
+    drafted_per_position: list[int] = Field(default_factory=list)
+    accepted_per_position: list[int] = Field(default_factory=list)
+    batch_size_mean: float | None = None
+    batch_size_max: int | None = None
+    finish_reason: FinishReason
+    error: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+
+class StepRecord(BaseModel):
+    """One engine step as seen by the stat logger (the tuner's cost model input)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str
+    time: float
+    batch_size: int = Field(ge=0)
+    num_prefill_requests: int = Field(ge=0)
+    num_decode_requests: int = Field(ge=0)
+    num_scheduled_tokens: int = Field(ge=0)
+    step_time_s: float = Field(ge=0)
+    num_speculative_tokens: int = Field(ge=0, description="K drafted this step (0 = none)")
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = Field(default_factory=list)

@@ -1,0 +1,84 @@
+"""Where records leave the engine.
+
+A sink receives every ``RequestRecord`` and ``StepRecord`` on the serving
+path, so ``submit*`` must return quickly and never raise into the engine: a
+sink that needs I/O queues the record and does the work elsewhere.  The
+database recorder implements the same protocol outside ``engine/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .schema import RequestRecord, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class RecordSink(Protocol):
+    def submit(self, record: RequestRecord) -> None: ...
+
+    def submit_step(self, step: StepRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemorySink:
+    """Keeps the most recent records in memory (tests, the debug endpoint)."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self.records: deque[RequestRecord] = deque(maxlen=maxlen)
+        self.steps: deque[StepRecord] = deque(maxlen=maxlen)
+
+    def submit(self, record: RequestRecord) -> None:
+        self.records.append(record)
+
+    def submit_step(self, step: StepRecord) -> None:
+        self.steps.append(step)
+
+    def close(self) -> None:
+        pass
+
+    def by_id(self, request_id: str) -> RequestRecord | None:
+        return next((r for r in reversed(self.records) if r.request_id == request_id), None)
+
+
+class JsonlSink:
+    """Appends request records as JSON lines (the engine run on its own)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def submit(self, record: RequestRecord) -> None:
+        line = json.dumps(record.model_dump(mode="json"), separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def submit_step(self, step: StepRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def fan_out(sinks: list[RecordSink], record: RequestRecord | StepRecord) -> None:
+    """Deliver to every sink; one failing sink never hurts serving or the others."""
+    for sink in sinks:
+        try:
+            if isinstance(record, RequestRecord):
+                sink.submit(record)
+            else:
+                sink.submit_step(record)
+        except Exception:  # noqa: BLE001 - a sink must not take the engine down
+            log.exception("record sink %r failed", sink)

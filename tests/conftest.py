@@ -1,0 +1,83 @@
+"""Shared fixtures: the tiny model family and engine helpers.
+
+Engines take ~15 s to start on this CPU, so tests start one per module (or
+per configuration) and share it.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from spectune.engine import EngineConfig, MemorySink, RuntimeSettings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODEL_CACHE = Path(os.environ.get("SPECTUNE_TEST_MODELS", Path(__file__).parent.parent / "var" / "test-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny() -> dict[str, Path]:
+    from spectune.engine.models.tiny import make_family
+
+    return make_family(MODEL_CACHE)
+
+
+def tiny_config(tiny: dict[str, Path], method: str = "draft_model", draft: str = "copy", n: int = 4, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=str(tiny["target"]),
+        method=method,
+        draft_model=str(tiny[draft]) if method == "draft_model" else None,
+        num_speculative_tokens=max(n, 1),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=16,
+        kv_cache_space_gib=1,
+        instance_id="test",
+        initial=RuntimeSettings(num_speculative_tokens=n, speculation_enabled=n > 0),
+        **kw,
+    )
+
+
+@asynccontextmanager
+async def running_engine(config: EngineConfig):
+    from spectune.engine.core import SpecEngine
+
+    sink = MemorySink()
+    engine = SpecEngine(config, [sink])
+    await engine.start()
+    try:
+        yield engine, sink
+    finally:
+        await engine.shutdown()
+
+
+async def complete(engine, prompt: str, max_tokens: int = 24, **kw) -> tuple[str, list[int], str]:
+    """Run one request to the end; returns (text, token ids, request id)."""
+    import uuid
+
+    from spectune.engine.core import GenerationRequest
+
+    rid = kw.pop("request_id", None) or f"t-{uuid.uuid4().hex[:12]}"
+    text, ids = [], []
+    req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, request_id=rid, **kw)
+    async for delta in engine.generate(req):
+        text.append(delta.text)
+        ids.extend(delta.token_ids)
+    return "".join(text), ids, rid
+
+
+PROMPTS = [
+    f"{a} {b} {c}"
+    for a, b, c in zip(
+        "the model draft target batch policy engine record cache value error step rate list code answer "
+        "question summary import token accept".split(),
+        "verify decode accept reject class tuner latency print return def while for if else result".split() * 2,
+        "of to and in is it for on with as by at from that this be are was not the".split(),
+    )
+]
+assert len(PROMPTS) >= 20
