@@ -29,6 +29,12 @@ class EngineConfig(BaseModel):
     method: SpeculationMethod = "draft_model"
     draft_model: str | None = None
     num_speculative_tokens: int = Field(default=5, ge=1, le=16)
+    draft_sample_method: Literal["greedy", "probabilistic"] = Field(
+        default="probabilistic",
+        description="probabilistic: the draft samples from q and verification uses "
+        "min(1, p/q); greedy: argmax drafts verified as q = one-hot (lossless, lower "
+        "acceptance under sampling)",
+    )
     ngram_prompt_lookup_min: int = Field(default=1, ge=1)
     ngram_prompt_lookup_max: int = Field(default=4, ge=1)
     max_model_len: int = Field(default=2048, ge=16)
@@ -66,6 +72,7 @@ class EngineConfig(BaseModel):
             "method": "draft_model",
             "model": self.draft_model,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "draft_sample_method": self.draft_sample_method,
         }
 
     def target_only(self) -> EngineConfig:

@@ -188,7 +188,7 @@ class SpecEngine:
             "spectune_apply", settings.model_dump(mode="json")
         )
 
-    async def rebuild(self, config: EngineConfig) -> float:
+    async def rebuild(self, config: EngineConfig, settings: RuntimeSettings | None = None) -> float:
         """Managed rebuild: stop admitting, drain in-flight, rebuild, resume.
 
         Requests that arrive meanwhile wait (they are not failed).  Returns the
@@ -202,6 +202,8 @@ class SpecEngine:
             if old is not None:
                 await asyncio.to_thread(old.shutdown)
             self.config = config
+            if settings is not None:
+                self.settings = settings
             try:
                 await self._start(config)
             finally:

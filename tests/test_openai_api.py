@@ -1,0 +1,128 @@
+"""The OpenAI-compatible server, end to end: `spectune serve` in a subprocess
+on the tiny models, driven by the official `openai` client and raw httpx."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MODEL = "target"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    port = _free_port()
+    records = tmp_path_factory.mktemp("serve") / "records.jsonl"
+    env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32")
+    cmd = [sys.executable, "-m", "spectune.cli", "serve", "--model", str(tiny["target"]),
+           "--draft-model", str(tiny["copy"]), "-n", "3", "--max-speculative-tokens", "4",
+           "--port", str(port), "--records", str(records)]
+    log = (records.parent / "server.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(records.parent / 'server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).json().get("ready"):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become ready")
+    yield base, records
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_completion_and_stream_agree(client):
+    kw = dict(model=MODEL, prompt="the model draft", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.choices[0].text and full.usage.completion_tokens == 20
+    assert full.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_and_stream_agree(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "accept the draft"}], max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", max_tokens=-5), "max_tokens"),
+        (dict(prompt="x", max_tokens=100_000), "max_tokens"),
+        (dict(prompt="x", temperature=-0.5), "temperature"),
+        (dict(prompt="x", top_p=0), "top_p"),
+        (dict(prompt="x", top_p=1.5), "top_p"),
+        (dict(prompt="x" * (2 << 20)), "prompt"),
+        (dict(prompt="x", extra_body={"spectune_class": "nope"}), "spectune_class"),
+    ],
+)
+def test_bad_input_is_a_400_in_openai_format(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, **{"max_tokens": 4, **kwargs})
+    body = info.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error" and body["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_malformed_json_and_unknown_field(server):
+    base = server[0]
+    r = httpx.post(f"{base}/v1/completions", content=b'{"model": "target", "prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+
+
+def test_still_serving_and_every_request_recorded(client, server):
+    out = client.completions.create(model=MODEL, prompt="still alive", max_tokens=5, extra_headers={"X-Spectune-Class": "long"})
+    assert out.usage.completion_tokens == 5
+    time.sleep(0.2)
+    records = [json.loads(line) for line in Path(server[1]).read_text().splitlines()]
+    assert records[-1]["prompt_class"] == "long" and records[-1]["output_tokens"] == 5
+    # 1 + 2 + 2 (completions) + 2 (chat) + the one above; invalid requests never reach the engine
+    ok = [r for r in records if r["finish_reason"] == "length"]
+    assert len(ok) >= 6 and all(r["speculation_method"] == "draft_model" for r in ok)
+    assert all(r["num_accepted_tokens"] == r["num_draft_tokens"] for r in ok)  # copy draft
