@@ -23,6 +23,7 @@ import logging
 log = logging.getLogger(__name__)
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+STOCK_EXPAND_KERNEL = None
 
 
 def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803 - Triton launch signature
@@ -45,6 +46,9 @@ def register() -> None:
     from vllm.triton_utils import dispatcher
     from vllm.utils import cpu_triton_utils
 
+    global STOCK_EXPAND_KERNEL
+    if cpu_triton_utils._expand_kernel_impl is not expand_kernel:
+        STOCK_EXPAND_KERNEL = cpu_triton_utils._expand_kernel_impl  # kept for the regression test
     # The platform registers cpu_triton_utils._expand_kernel_impl after plugins
     # load; replacing the attribute makes it register the fixed one.
     cpu_triton_utils._expand_kernel_impl = expand_kernel
