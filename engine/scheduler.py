@@ -51,6 +51,9 @@ class SpectuneScheduler(Scheduler):
     def apply_settings(self, settings: RuntimeSettings) -> None:
         self.spectune_settings = settings
         self._lookup_key = None
+        # Drafts already proposed under the old settings would be verified at
+        # the next step; trim them so the change holds from that step on.
+        self._trim_drafts(r.request_id for r in self.running)
 
     # -- hooks into vLLM ---------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
@@ -62,10 +65,14 @@ class SpectuneScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:  # type: ignore[override]
         super().update_draft_token_ids(draft_token_ids)
+        self._trim_drafts(draft_token_ids.req_ids)
+
+    # -- internals -----------------------------------------------------------
+    def _trim_drafts(self, request_ids: Any) -> None:
         if self.num_spec_tokens == 0:
             return
         settings, batch = self.spectune_settings, self._last_batch_size
-        for req_id in draft_token_ids.req_ids:
+        for req_id in request_ids:
             request = self.requests.get(req_id)
             if request is None or not request.spec_token_ids:
                 continue
@@ -73,7 +80,6 @@ class SpectuneScheduler(Scheduler):
             if len(request.spec_token_ids) > limit:
                 request.spec_token_ids = request.spec_token_ids[:limit]
 
-    # -- internals -----------------------------------------------------------
     def _refresh_lookup(self) -> None:
         classes = frozenset(_request_class(r) for r in self.running) | frozenset(
             _request_class(r) for r in self.waiting

@@ -116,13 +116,19 @@ def test_malformed_json_and_unknown_field(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
 
 
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
 def test_still_serving_and_every_request_recorded(client, server):
+    before = len(_records(server[1]))
     out = client.completions.create(model=MODEL, prompt="still alive", max_tokens=5, extra_headers={"X-Spectune-Class": "long"})
     assert out.usage.completion_tokens == 5
-    time.sleep(0.2)
-    records = [json.loads(line) for line in Path(server[1]).read_text().splitlines()]
-    assert records[-1]["prompt_class"] == "long" and records[-1]["output_tokens"] == 5
-    # 1 + 2 + 2 (completions) + 2 (chat) + the one above; invalid requests never reach the engine
-    ok = [r for r in records if r["finish_reason"] == "length"]
-    assert len(ok) >= 6 and all(r["speculation_method"] == "draft_model" for r in ok)
-    assert all(r["num_accepted_tokens"] == r["num_draft_tokens"] for r in ok)  # copy draft
+    list(client.completions.create(model=MODEL, prompt="a streamed one", max_tokens=3, stream=True))
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    time.sleep(0.3)
+    new = _records(server[1])[before:]
+    assert [r["output_tokens"] for r in new] == [5, 3, 4]
+    assert [r["prompt_class"] for r in new] == ["long", "qa", "qa"]
+    assert all(r["finish_reason"] == "length" and r["speculation_method"] == "draft_model" for r in new)
+    assert all(r["num_accepted_tokens"] == r["num_draft_tokens"] for r in new)  # copy draft
