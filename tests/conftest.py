@@ -81,3 +81,28 @@ PROMPTS = [
     )
 ]
 assert len(PROMPTS) >= 20
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A throwaway PostgreSQL; skipped only where the binaries are missing
+    and SPECTUNE_REQUIRE_PG is unset (CI sets it, so CI never skips)."""
+    import pgserver
+
+    if not pgserver.available():
+        if os.environ.get("SPECTUNE_REQUIRE_PG"):
+            pytest.fail("PostgreSQL binaries not found but SPECTUNE_REQUIRE_PG is set")
+        pytest.skip("PostgreSQL not installed (apt-get install postgresql)")
+    server = pgserver.PgServer().init()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """An empty database of each supported kind."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/spectune.db"
+    server = request.getfixturevalue("pg_server")
+    server.reset()
+    return server.url

@@ -1,0 +1,100 @@
+"""Database access: engines, migrations, idempotent bulk inserts.
+
+SQLite (a file) is the embedded default; PostgreSQL
+(``postgresql+psycopg://...``) the production store.  Both are migrated by
+Alembic from ``alembic/``; nothing calls ``create_all``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, insert
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import sessionmaker
+
+from spectune.engine.schema import RequestRecord
+
+from .models import Base, RequestRecordRow
+
+ALEMBIC_DIR = Path(__file__).resolve().parent.parent / "alembic"
+DEFAULT_URL = "sqlite:///var/spectune.db"
+
+
+def make_engine(url: str = DEFAULT_URL, **kwargs: Any) -> Engine:
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_connection: Any, _: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the recorder
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+    return engine
+
+
+def session_factory(engine: Engine) -> sessionmaker:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(ALEMBIC_DIR))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def utc(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC)
+
+
+def record_row(fields: dict[str, Any]) -> dict[str, Any]:
+    """RequestRecord fields (as dumped) -> a request_records row."""
+    row = dict(fields)
+    for key in ("arrival_time", "first_token_time", "finish_time"):
+        row[key] = utc(row[key])
+    return row
+
+
+def insert_ignoring_duplicates(engine: Engine, table: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """Bulk INSERT that skips rows whose primary key exists (replays are safe)."""
+    if not rows:
+        return
+    dialect = engine.dialect.name
+    if dialect == "postgresql":
+        stmt = postgresql.insert(table).on_conflict_do_nothing()
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(table).on_conflict_do_nothing()
+    else:  # pragma: no cover - only the two supported stores
+        stmt = insert(table).prefix_with("IGNORE")
+    with engine.begin() as conn:
+        conn.execute(stmt, list(rows))
+
+
+def insert_records(engine: Engine, records: Iterable[RequestRecord]) -> None:
+    insert_ignoring_duplicates(engine, RequestRecordRow.__table__, [record_row(r.model_dump()) for r in records])
+
+
+__all__ = ["Base", "make_engine", "upgrade", "downgrade", "insert_records", "insert_ignoring_duplicates"]

@@ -1,0 +1,228 @@
+"""Database schema (SQLAlchemy 2 typed ORM).
+
+Time is stored as timezone-aware UTC ``DateTime``.  Per-position counts are
+JSON lists (JSONB on PostgreSQL).  Indexes follow the queries the tuner and
+dashboards make: recent records per (instance, class), step statistics per
+(instance, minute), decisions and alerts by time.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+Json = JSON().with_variant(JSONB(), "postgresql")
+
+
+class UtcDateTime(TypeDecorator):
+    """Timezone-aware UTC in and out, also on SQLite (which stores it naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime: store times as timezone-aware UTC")
+        return None if value is None else value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class EngineInstance(Base):
+    __tablename__ = "engine_instances"
+
+    instance_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    method: Mapped[str] = mapped_column(String(32))
+    capacity: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    last_seen_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    degraded_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class RequestRecordRow(Base):
+    """One row per engine RequestRecord (idempotent by request_id)."""
+
+    __tablename__ = "request_records"
+    __table_args__ = (
+        Index("ix_request_records_instance_class_finish", "instance_id", "prompt_class", "finish_time"),
+        Index("ix_request_records_finish", "finish_time"),
+    )
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(256))
+    prompt_class: Mapped[str] = mapped_column(String(32))
+    arrival_time: Mapped[datetime] = mapped_column(UtcDateTime())
+    first_token_time: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    finish_time: Mapped[datetime] = mapped_column(UtcDateTime())
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    tpot_s: Mapped[float | None] = mapped_column(Float)
+    e2e_s: Mapped[float] = mapped_column(Float)
+    speculation_method: Mapped[str] = mapped_column(String(32))
+    speculation_enabled: Mapped[bool] = mapped_column(Boolean)
+    num_speculative_tokens: Mapped[int] = mapped_column(Integer)
+    settings_version: Mapped[int] = mapped_column(Integer)
+    num_spec_steps: Mapped[int] = mapped_column(Integer)
+    num_draft_tokens: Mapped[int] = mapped_column(Integer)
+    num_accepted_tokens: Mapped[int] = mapped_column(Integer)
+    drafted_per_position: Mapped[list[int]] = mapped_column(Json)
+    accepted_per_position: Mapped[list[int]] = mapped_column(Json)
+    batch_size_mean: Mapped[float | None] = mapped_column(Float)
+    batch_size_max: Mapped[int | None] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class RequestRollup(Base):
+    """Per-minute aggregate of request records older than the retention age."""
+
+    __tablename__ = "request_rollups"
+
+    instance_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    prompt_class: Mapped[str] = mapped_column(String(32), primary_key=True)
+    num_speculative_tokens: Mapped[int] = mapped_column(Integer, primary_key=True)
+    minute: Mapped[datetime] = mapped_column(UtcDateTime(), primary_key=True)
+    requests: Mapped[int] = mapped_column(Integer)
+    errors: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_spec_steps: Mapped[int] = mapped_column(BigInteger)
+    num_draft_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_accepted_tokens: Mapped[int] = mapped_column(BigInteger)
+    drafted_per_position: Mapped[list[int]] = mapped_column(Json)
+    accepted_per_position: Mapped[list[int]] = mapped_column(Json)
+    ttft_s_sum: Mapped[float] = mapped_column(Float)
+    e2e_s_sum: Mapped[float] = mapped_column(Float)
+
+
+class StepStat(Base):
+    """Engine steps aggregated per instance x minute x batch bucket x N (sum over writers)."""
+
+    __tablename__ = "step_stats"
+
+    instance_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(UtcDateTime(), primary_key=True)
+    batch_bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    num_speculative_tokens: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Which recorder process wrote the row: each writes a key once, so replays
+    # are idempotent and a restart inside a minute adds a row instead of losing one.
+    writer: Mapped[str] = mapped_column(String(32), primary_key=True)
+    steps: Mapped[int] = mapped_column(Integer)
+    step_time_sum_s: Mapped[float] = mapped_column(Float)
+    step_time_p50_s: Mapped[float] = mapped_column(Float)
+    step_time_p95_s: Mapped[float] = mapped_column(Float)
+    batch_size_sum: Mapped[int] = mapped_column(BigInteger)
+    scheduled_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_draft_tokens: Mapped[int] = mapped_column(BigInteger)
+    num_accepted_tokens: Mapped[int] = mapped_column(BigInteger)
+    accepted_per_position: Mapped[list[int]] = mapped_column(Json)
+
+
+class Policy(Base):
+    """The current version of each policy scope (global, class, instance)."""
+
+    __tablename__ = "policies"
+
+    scope: Mapped[str] = mapped_column(String(160), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    body: Mapped[dict[str, Any]] = mapped_column(Json)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    updated_by: Mapped[str] = mapped_column(String(128))
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policy_versions"
+
+    scope: Mapped[str] = mapped_column(String(160), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    body: Mapped[dict[str, Any]] = mapped_column(Json)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    created_by: Mapped[str] = mapped_column(String(128))
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_entries"
+    __table_args__ = (Index("ix_audit_entries_at", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    scope: Mapped[str] = mapped_column(String(160))
+    reason: Mapped[str | None] = mapped_column(Text)
+    diff: Mapped[dict[str, Any]] = mapped_column(Json)
+
+
+class TunerDecision(Base):
+    __tablename__ = "tuner_decisions"
+    __table_args__ = (Index("ix_tuner_decisions_instance_class_at", "instance_id", "prompt_class", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    instance_id: Mapped[str] = mapped_column(String(128))
+    prompt_class: Mapped[str] = mapped_column(String(32))
+    batch_bucket: Mapped[int | None] = mapped_column(Integer)
+    mode: Mapped[str] = mapped_column(String(16))
+    action: Mapped[str] = mapped_column(String(32))
+    n_before: Mapped[int] = mapped_column(Integer)
+    n_after: Mapped[int] = mapped_column(Integer)
+    predicted_speedup: Mapped[float | None] = mapped_column(Float)
+    realised_speedup: Mapped[float | None] = mapped_column(Float)
+    inputs: Mapped[dict[str, Any]] = mapped_column(Json)
+    applied: Mapped[bool] = mapped_column(Boolean)
+
+
+class DiagnosticsReport(Base):
+    __tablename__ = "diagnostics_reports"
+    __table_args__ = (Index("ix_diagnostics_reports_created", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    trigger: Mapped[str] = mapped_column(String(32))
+    prompt_class: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))
+    summary: Mapped[str | None] = mapped_column(Text)
+    report: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class AlertEvent(Base):
+    __tablename__ = "alert_events"
+    __table_args__ = (Index("ix_alert_events_received", "received_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    alertname: Mapped[str] = mapped_column(String(128))
+    labels: Mapped[dict[str, Any]] = mapped_column(Json)
+    starts_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    received_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    diagnosis_id: Mapped[int | None] = mapped_column(ForeignKey("diagnostics_reports.id"))
+
+
+class SampledPrompt(Base):
+    """Prompts kept for diagnostics: opt-in, sampled, with an expiry."""
+
+    __tablename__ = "sampled_prompts"
+    __table_args__ = (Index("ix_sampled_prompts_class_expires", "prompt_class", "expires_at"),)
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    prompt_class: Mapped[str] = mapped_column(String(32))
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime())

@@ -1,0 +1,148 @@
+"""The recorder lands every record exactly once: through outages, restarts
+and kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import func, select
+
+from records import make_records
+from spectune.engine.schema import StepRecord
+from spectune.store.db import make_engine, upgrade
+from spectune.store.models import RequestRecordRow, StepStat
+from spectune.store.recorder import Recorder
+from spectune.store.steps import StepAggregator, batch_bucket
+
+
+def _rows(url: str) -> list[RequestRecordRow]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(select(RequestRecordRow)).all())
+    finally:
+        engine.dispose()
+
+
+def test_records_round_trip(db_url, tmp_path):
+    upgrade(db_url)
+    records = make_records(1000)
+    recorder = Recorder(make_engine(db_url), tmp_path / "spool")
+    for r in records:
+        recorder.submit(r)
+    recorder.close()
+    rows = {row.request_id: row for row in _rows(db_url)}
+    assert len(rows) == 1000 and recorder.stats.dropped == 0
+    sample = records[17]
+    row = rows[sample.request_id]
+    assert row.accepted_per_position == sample.accepted_per_position
+    assert row.num_accepted_tokens == sample.num_accepted_tokens and row.prompt_class == sample.prompt_class
+    assert row.finish_time.timestamp() == pytest.approx(sample.finish_time)
+    assert list((tmp_path / "spool").glob("*.jsonl")) == []  # shipped segments are deleted
+
+
+def test_replaying_the_same_records_never_duplicates(db_url, tmp_path):
+    upgrade(db_url)
+    records = make_records(300)
+    for _ in range(2):
+        recorder = Recorder(make_engine(db_url), tmp_path / "spool")
+        for r in records:
+            recorder.submit(r)
+        recorder.close()
+    assert len(_rows(db_url)) == 300
+
+
+def test_postgres_outage_loses_nothing(pg_server, tmp_path):
+    pg_server.reset()
+    upgrade(pg_server.url)
+    records = make_records(1000, prefix="outage")
+    recorder = Recorder(make_engine(pg_server.url, pool_pre_ping=True), tmp_path / "spool", max_backoff=0.5)
+
+    def feed():
+        for i, r in enumerate(records):
+            recorder.submit(r)
+            time.sleep(0.003)  # ~3 s of traffic
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    time.sleep(0.8)
+    pg_server.stop()
+    time.sleep(1.5)
+    assert not recorder.stats.db_up  # the outage was seen
+    pg_server.start()
+    feeder.join()
+    recorder.close(timeout=30)
+    rows = _rows(pg_server.url)
+    assert sorted(r.request_id for r in rows) == sorted(r.request_id for r in records)
+    assert recorder.stats.db_errors > 0
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from records import make_records
+    from spectune.store.db import make_engine
+    from spectune.store.recorder import Recorder
+    recorder = Recorder(make_engine({url!r}), {spool!r})
+    for r in make_records(500, prefix="k9"):
+        recorder.submit(r)
+    print("SUBMITTED", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("db_reachable", [False, True])
+def test_kill_9_then_restart_replays_the_spool(tmp_path, db_reachable):
+    url = f"sqlite:///{tmp_path}/s.db"
+    upgrade(url)
+    child_url = url if db_reachable else "postgresql+psycopg://postgres@127.0.0.1:9/none"
+    spool = str(tmp_path / "spool")
+    script = CHILD.format(tests=os.path.dirname(__file__), url=child_url, spool=spool)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "SUBMITTED"
+    time.sleep(1.0)  # the promise: on disk within 1 s of finishing
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    recorder = Recorder(make_engine(url), spool)
+    recorder.close(timeout=30)
+    ids = [r.request_id for r in _rows(url)]
+    assert len(ids) == len(set(ids)) == 500
+
+
+def test_step_aggregation():
+    agg = StepAggregator()
+    t0 = 1_800_000_000.0  # on a minute boundary
+    for i in range(10):
+        agg.add(StepRecord(instance_id="i", time=t0 + i, batch_size=3, num_prefill_requests=0, num_decode_requests=3,
+                           num_scheduled_tokens=12, step_time_s=0.01 * (i + 1), num_speculative_tokens=3,
+                           num_draft_tokens=9, num_accepted_tokens=6, accepted_per_position=[3, 2, 1]))
+    assert agg.flush(now=t0 + 30) == []  # minute still open
+    (row,) = agg.flush(now=t0 + 61)
+    assert (row["batch_bucket"], row["steps"], row["num_accepted_tokens"]) == (4, 10, 60)
+    assert row["step_time_p50_s"] == pytest.approx(0.05) and row["step_time_p95_s"] == pytest.approx(0.10)
+    assert row["accepted_per_position"] == [30, 20, 10]
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_step_stats_reach_the_database(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    upgrade(url)
+    recorder = Recorder(make_engine(url), tmp_path / "spool")
+    recorder.submit_step(StepRecord(instance_id="i", time=time.time(), batch_size=2, num_prefill_requests=0,
+                                    num_decode_requests=2, num_scheduled_tokens=8, step_time_s=0.02,
+                                    num_speculative_tokens=3, num_draft_tokens=6, num_accepted_tokens=4,
+                                    accepted_per_position=[2, 1, 1]))
+    recorder.close()
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        row = conn.execute(select(StepStat)).one()
+        assert row.steps == 1 and row.batch_bucket == 2 and row.writer == recorder.writer
+        assert row.minute <= datetime.now(UTC)
