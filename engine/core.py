@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,8 @@ class SpecEngine:
         self._drained.set()
         self._rebuild_lock = asyncio.Lock()
         self._last_batch = 0
+        # Called with (settings, capacity) whenever settings take effect.
+        self.settings_listeners: list[Callable[[RuntimeSettings, int], None]] = []
 
     # -- lifecycle -----------------------------------------------------------
     @property
@@ -129,6 +131,9 @@ class SpecEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # vLLM's logging stat logger would print every iteration (we ask for
+        # iteration details); it is only added while its logger is at INFO.
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         if current_platform.is_cpu():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
         args = AsyncEngineArgs(
@@ -187,6 +192,8 @@ class SpecEngine:
         await self._llm.engine_core.call_utility_async(
             "spectune_apply", settings.model_dump(mode="json")
         )
+        for listener in self.settings_listeners:
+            listener(settings, self.capacity)
 
     async def rebuild(self, config: EngineConfig, settings: RuntimeSettings | None = None) -> float:
         """Managed rebuild: stop admitting, drain in-flight, rebuild, resume.

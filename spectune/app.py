@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from spectune.engine.core import SpecEngine
 from spectune.engine.openai_api import build_router, install_error_handlers
@@ -27,6 +28,10 @@ def create_app(engine: SpecEngine, openai_api_key: str | None = None) -> FastAPI
     app = FastAPI(title="spectune", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(build_router(engine, openai_api_key))
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -58,33 +58,42 @@ def serve(
     dtype: Annotated[Optional[str], typer.Option(help="auto | bfloat16 | float16 | float32")] = None,
     host: Annotated[Optional[str], typer.Option()] = None,
     port: Annotated[Optional[int], typer.Option()] = None,
-    records: Annotated[Optional[Path], typer.Option(help="JSONL file for request records.")] = None,
+    db: Annotated[Optional[str], typer.Option(help="Database URL (default sqlite:///var/spectune.db; postgresql+psycopg://user@host/db).")] = None,
+    records: Annotated[Optional[Path], typer.Option(help="Also append request records to this JSONL file.")] = None,
 ) -> None:
     """Serve the OpenAI-compatible API on the embedded vLLM engine."""
     import uvicorn
 
     from spectune.app import create_app
-    from spectune.engine.core import SpecEngine
-    from spectune.engine.sinks import JsonlSink
+    from spectune.serve import build_stack
 
     overrides = {
         k: v
         for k, v in dict(
             model=model, draft_model=draft_model, method=method, num_speculative_tokens=num_speculative_tokens,
-            max_speculative_tokens=max_speculative_tokens, dtype=dtype, host=host, port=port, records_path=records,
+            max_speculative_tokens=max_speculative_tokens, dtype=dtype, host=host, port=port, records_path=records, db=db,
         ).items()
         if v is not None
     }
     settings = Settings(**overrides)
     config = _engine_config(settings)
     logging.basicConfig(level=logging.INFO)
-    engine = SpecEngine(config, [JsonlSink(settings.records_path)])
+    stack = build_stack(settings, config)
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
     console.print(
         f"[bold]spectune[/] serving {config.name} ({config.method}, N={config.initial.num_speculative_tokens}) "
-        f"on http://{settings.host}:{settings.port}/v1; records -> {settings.records_path}"
+        f"on http://{settings.host}:{settings.port}/v1; records -> {_redact(settings.db)}"
     )
-    uvicorn.run(create_app(engine, key), host=settings.host, port=settings.port, log_level="info")
+    try:
+        uvicorn.run(create_app(stack.engine, key), host=settings.host, port=settings.port, log_level="info")
+    finally:
+        stack.close()
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 @models_app.command("prepare")

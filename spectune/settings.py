@@ -24,5 +24,9 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(default=16, ge=1)
     kv_cache_space_gib: int = Field(default=2, ge=1)
     instance_id: str | None = None
-    records_path: Path = Path("var/records.jsonl")
+    db: str = Field(default="sqlite:///var/spectune.db", description="SQLAlchemy URL; postgresql+psycopg://... in production")
+    spool_dir: Path = Path("var/spool")
+    records_path: Path | None = Field(default=None, description="Also append records as JSON lines here")
+    retention_days: float = Field(default=7.0, gt=0)
+    retention_interval_s: int = Field(default=600, ge=10)
     openai_api_key: SecretStr | None = None

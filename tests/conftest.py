@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,51 @@ def db_url(request, tmp_path):
     server = request.getfixturevalue("pg_server")
     server.reset()
     return server.url
+
+
+@dataclass
+class Served:
+    base: str
+    records: Path
+    db: str
+
+
+@pytest.fixture(scope="session")
+def served(tiny, tmp_path_factory):
+    """`spectune serve` in a subprocess on the tiny models (copy draft, N=3 of 4)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path_factory.mktemp("serve")
+    records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
+    env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32",
+               SPECTUNE_SPOOL_DIR=str(root / "spool"))
+    cmd = [sys.executable, "-m", "spectune.cli", "serve", "--model", str(tiny["target"]),
+           "--draft-model", str(tiny["copy"]), "-n", "3", "--max-speculative-tokens", "4",
+           "--port", str(port), "--records", str(records), "--db", db]
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(root / 'server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).json().get("ready"):
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError("server did not become ready")
+        time.sleep(0.5)
+    yield Served(base, records, db)
+    proc.terminate()
+    proc.wait(timeout=60)

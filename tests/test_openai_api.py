@@ -4,10 +4,6 @@ on the tiny models, driven by the official `openai` client and raw httpx."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,39 +14,9 @@ import pytest
 MODEL = "target"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    port = _free_port()
-    records = tmp_path_factory.mktemp("serve") / "records.jsonl"
-    env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32")
-    cmd = [sys.executable, "-m", "spectune.cli", "serve", "--model", str(tiny["target"]),
-           "--draft-model", str(tiny["copy"]), "-n", "3", "--max-speculative-tokens", "4",
-           "--port", str(port), "--records", str(records)]
-    log = (records.parent / "server.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(records.parent / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1).json().get("ready"):
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become ready")
-    yield base, records
-    proc.terminate()
-    proc.wait(timeout=60)
+def server(served):
+    return served.base, served.records
 
 
 @pytest.fixture(scope="module")

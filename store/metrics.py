@@ -1,0 +1,124 @@
+"""Prometheus metrics for spectune, in the registry vLLM's own metrics use.
+
+Labels stay low-cardinality: prompt class, speculation on/off, draft
+position -- never request ids or prompt text.
+
+PromQL:
+    acceptance rate per class
+        sum by (class) (rate(spectune_accepted_tokens_total[5m]))
+      / sum by (class) (rate(spectune_draft_tokens_total[5m]))
+    acceptance at position k
+        rate(spectune_accepted_tokens_per_position_total{position="k"}[5m])
+      / rate(spectune_draft_tokens_per_position_total{position="k"}[5m])
+    p95 time to first token
+        histogram_quantile(0.95, sum by (le, class) (rate(spectune_time_to_first_token_seconds_bucket[5m])))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from spectune.engine.schema import RequestRecord, RuntimeSettings, StepRecord
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RequestMetrics:
+    """A RecordSink that turns request records into Prometheus series."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = Counter(
+            "spectune_requests", "Finished requests", ["class", "speculation"], registry=registry
+        )
+        self.failures = Counter(
+            "spectune_request_failures", "Requests that ended in error or abort", ["class", "reason"], registry=registry
+        )
+        self.output_tokens = Counter("spectune_output_tokens", "Generated tokens", ["class"], registry=registry)
+        self.draft_tokens = Counter("spectune_draft_tokens", "Draft tokens proposed", ["class"], registry=registry)
+        self.accepted_tokens = Counter("spectune_accepted_tokens", "Draft tokens accepted", ["class"], registry=registry)
+        self.accepted_per_position = Counter(
+            "spectune_accepted_tokens_per_position", "Draft tokens accepted at each draft position",
+            ["class", "position"], registry=registry,
+        )
+        self.drafted_per_position = Counter(
+            "spectune_draft_tokens_per_position", "Draft tokens proposed at each draft position",
+            ["class", "position"], registry=registry,
+        )
+        self.ttft = Histogram(
+            "spectune_time_to_first_token_seconds", "Arrival to first token", ["class"],
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.tpot = Histogram(
+            "spectune_time_per_output_token_seconds", "Mean time per output token after the first", ["class"],
+            buckets=TOKEN_BUCKETS, registry=registry,
+        )
+        self.e2e = Histogram(
+            "spectune_e2e_request_latency_seconds", "Arrival to last token", ["class"],
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.acceptance = Histogram(
+            "spectune_request_acceptance_rate", "Accepted / drafted per request (requests with drafts)",
+            ["class"], buckets=RATE_BUCKETS, registry=registry,
+        )
+        self.n_in_force = Gauge(
+            "spectune_speculative_tokens", "N in force per class (batch size 1)", ["class"], registry=registry
+        )
+        self.enabled = Gauge(
+            "spectune_speculation_enabled", "1 when speculation is on for the class", ["class"], registry=registry
+        )
+
+    def submit(self, r: RequestRecord) -> None:
+        cls = r.prompt_class
+        self.requests.labels(cls, "on" if r.speculation_enabled else "off").inc()
+        if r.finish_reason in ("error", "abort"):
+            self.failures.labels(cls, r.finish_reason).inc()
+        self.output_tokens.labels(cls).inc(r.output_tokens)
+        if r.num_draft_tokens:
+            self.draft_tokens.labels(cls).inc(r.num_draft_tokens)
+            self.accepted_tokens.labels(cls).inc(r.num_accepted_tokens)
+            self.acceptance.labels(cls).observe(r.num_accepted_tokens / r.num_draft_tokens)
+            for pos, (drafted, accepted) in enumerate(zip(r.drafted_per_position, r.accepted_per_position)):
+                if drafted:
+                    self.drafted_per_position.labels(cls, str(pos)).inc(drafted)
+                    self.accepted_per_position.labels(cls, str(pos)).inc(accepted)
+        if r.ttft_s is not None:
+            self.ttft.labels(cls).observe(r.ttft_s)
+        if r.tpot_s is not None:
+            self.tpot.labels(cls).observe(r.tpot_s)
+        self.e2e.labels(cls).observe(r.e2e_s)
+
+    def submit_step(self, step: StepRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def settings_applied(self, settings: RuntimeSettings, classes: Iterable[str], capacity: int) -> None:
+        for cls in classes:
+            n = settings.n_for(cls, 1, capacity)
+            self.n_in_force.labels(cls).set(n)
+            self.enabled.labels(cls).set(1 if n > 0 else 0)
+
+
+class RecorderCollector:
+    """Exports the recorder's counters at scrape time."""
+
+    def __init__(self, stats: Callable[[], object], spool_bytes: Callable[[], int]) -> None:
+        self._stats, self._spool_bytes = stats, spool_bytes
+
+    def collect(self):
+        s = self._stats()
+        for name, doc, value in (
+            ("spectune_records_spooled", "Records written to the on-disk spool", s.spooled),
+            ("spectune_records_shipped", "Spool items inserted into the database", s.shipped),
+            ("spectune_records_dropped", "Records dropped because the recorder queue was full", s.dropped),
+            ("spectune_database_errors", "Failed database writes (retried from the spool)", s.db_errors),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("spectune_database_up", "1 when the last database write succeeded", value=1 if s.db_up else 0)
+        yield GaugeMetricFamily("spectune_spool_bytes", "Bytes in the spool not yet deleted", value=self._spool_bytes())

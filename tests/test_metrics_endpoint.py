@@ -1,0 +1,63 @@
+"""/metrics after real requests: spectune's families move by the right amounts,
+next to vLLM's own; the same requests land in the database."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
+
+from spectune.store.db import make_engine
+from spectune.store.models import RequestRecordRow
+
+
+def _scrape(base: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _get(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_with_requests(served):
+    before = _scrape(served.base)
+    ids = []
+    for i in range(3):
+        r = httpx.post(f"{served.base}/v1/completions", json={
+            "model": "target", "prompt": f"metrics probe {i}", "max_tokens": 9, "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        ids.append(r.json()["id"])
+    time.sleep(1.0)  # records reach the DB through the spool within ~0.2 s
+    after = _scrape(served.base)
+    delta = lambda name, **labels: _get(after, name, **labels) - _get(before, name, **labels)  # noqa: E731
+
+    assert delta("spectune_requests_total", **{"class": "qa", "speculation": "on"}) == 3
+    assert delta("spectune_output_tokens_total", **{"class": "qa"}) == 27
+    drafted = delta("spectune_draft_tokens_total", **{"class": "qa"})
+    assert drafted > 0 and delta("spectune_accepted_tokens_total", **{"class": "qa"}) == drafted  # copy draft
+    per_pos = [delta("spectune_accepted_tokens_per_position_total", **{"class": "qa", "position": str(k)}) for k in range(3)]
+    assert sum(per_pos) == drafted and per_pos[0] >= per_pos[1] >= per_pos[2] > 0
+    assert delta("spectune_time_to_first_token_seconds_count", **{"class": "qa"}) == 3
+    assert delta("spectune_e2e_request_latency_seconds_count", **{"class": "qa"}) == 3
+    assert delta("spectune_request_acceptance_rate_count", **{"class": "qa"}) == 3
+    assert _get(after, "spectune_speculative_tokens", **{"class": "qa"}) == 3
+    assert _get(after, "spectune_speculation_enabled", **{"class": "long"}) == 1
+    assert _get(after, "spectune_database_up") == 1 and _get(after, "spectune_records_dropped_total") == 0
+    assert delta("spectune_records_spooled_total") >= 3
+    # vLLM's own spec-decode counters are in the same registry and agree with ours
+    vllm_drafted = sum(v - _get(before, n, **dict(l)) for (n, l), v in after.items() if n == "vllm:spec_decode_num_draft_tokens_total")
+    assert vllm_drafted == drafted
+    assert not any("request_id" in dict(l) for (_, l) in after)  # low cardinality
+
+    db = make_engine(served.db)
+    with db.connect() as conn:
+        rows = conn.execute(select(RequestRecordRow.output_tokens, RequestRecordRow.num_accepted_tokens)).all()
+    db.dispose()
+    assert sum(1 for r in rows if r.output_tokens == 9) >= 3
