@@ -71,11 +71,10 @@ def utc(ts: float | None) -> datetime | None:
 
 
 def record_row(fields: dict[str, Any]) -> dict[str, Any]:
-    """RequestRecord fields (as dumped) -> a request_records row."""
-    row = dict(fields)
+    """RequestRecord fields (as dumped) -> a request_records row (converted in place)."""
     for key in ("arrival_time", "first_token_time", "finish_time"):
-        row[key] = utc(row[key])
-    return row
+        fields[key] = utc(fields[key])
+    return fields
 
 
 def insert_ignoring_duplicates(engine: Engine, table: Any, rows: Sequence[dict[str, Any]]) -> None:

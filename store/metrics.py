@@ -17,6 +17,8 @@ PromQL:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,6 +28,20 @@ from spectune.engine.schema import RequestRecord, RuntimeSettings, StepRecord
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass
+class _ClassSeries:
+    on: Any
+    off: Any
+    output: Any
+    drafted: Any
+    accepted: Any
+    rate: Any
+    ttft: Any
+    tpot: Any
+    e2e: Any
+    positions: list = field(default_factory=list)
 
 
 class RequestMetrics:
@@ -71,26 +87,44 @@ class RequestMetrics:
         self.enabled = Gauge(
             "spectune_speculation_enabled", "1 when speculation is on for the class", ["class"], registry=registry
         )
+        self._by_class: dict[str, _ClassSeries] = {}
+
+    def _children(self, cls: str) -> _ClassSeries:
+        # labels() takes a lock and hashes every call; this runs per request on
+        # the serving path, so each class's children are looked up once.
+        series = self._by_class.get(cls)
+        if series is None:
+            series = self._by_class[cls] = _ClassSeries(
+                on=self.requests.labels(cls, "on"), off=self.requests.labels(cls, "off"),
+                output=self.output_tokens.labels(cls), drafted=self.draft_tokens.labels(cls),
+                accepted=self.accepted_tokens.labels(cls), rate=self.acceptance.labels(cls),
+                ttft=self.ttft.labels(cls), tpot=self.tpot.labels(cls), e2e=self.e2e.labels(cls),
+            )
+        return series
 
     def submit(self, r: RequestRecord) -> None:
         cls = r.prompt_class
-        self.requests.labels(cls, "on" if r.speculation_enabled else "off").inc()
+        c = self._children(cls)
+        (c.on if r.speculation_enabled else c.off).inc()
         if r.finish_reason in ("error", "abort"):
             self.failures.labels(cls, r.finish_reason).inc()
-        self.output_tokens.labels(cls).inc(r.output_tokens)
+        c.output.inc(r.output_tokens)
         if r.num_draft_tokens:
-            self.draft_tokens.labels(cls).inc(r.num_draft_tokens)
-            self.accepted_tokens.labels(cls).inc(r.num_accepted_tokens)
-            self.acceptance.labels(cls).observe(r.num_accepted_tokens / r.num_draft_tokens)
+            c.drafted.inc(r.num_draft_tokens)
+            c.accepted.inc(r.num_accepted_tokens)
+            c.rate.observe(r.num_accepted_tokens / r.num_draft_tokens)
             for pos, (drafted, accepted) in enumerate(zip(r.drafted_per_position, r.accepted_per_position)):
                 if drafted:
-                    self.drafted_per_position.labels(cls, str(pos)).inc(drafted)
-                    self.accepted_per_position.labels(cls, str(pos)).inc(accepted)
+                    while len(c.positions) <= pos:
+                        k = str(len(c.positions))
+                        c.positions.append((self.drafted_per_position.labels(cls, k), self.accepted_per_position.labels(cls, k)))
+                    c.positions[pos][0].inc(drafted)
+                    c.positions[pos][1].inc(accepted)
         if r.ttft_s is not None:
-            self.ttft.labels(cls).observe(r.ttft_s)
+            c.ttft.observe(r.ttft_s)
         if r.tpot_s is not None:
-            self.tpot.labels(cls).observe(r.tpot_s)
-        self.e2e.labels(cls).observe(r.e2e_s)
+            c.tpot.observe(r.tpot_s)
+        c.e2e.observe(r.e2e_s)
 
     def submit_step(self, step: StepRecord) -> None:
         pass

@@ -38,7 +38,7 @@ def test_records_round_trip(db_url, tmp_path):
     recorder = Recorder(make_engine(db_url), tmp_path / "spool")
     for r in records:
         recorder.submit(r)
-    recorder.close()
+    assert recorder.close(), "not everything was shipped"
     rows = {row.request_id: row for row in _rows(db_url)}
     assert len(rows) == 1000 and recorder.stats.dropped == 0
     sample = records[17]

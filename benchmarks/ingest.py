@@ -1,0 +1,121 @@
+"""Recorder throughput, and what the recorder costs the engine.
+
+    python benchmarks/ingest.py [--records 100000] [--out benchmarks/results/ingest.md]
+
+1. records/s through the recorder (submit -> spool -> database, until all rows
+   are in) into SQLite and into a throwaway PostgreSQL (Debian's server,
+   started here as in the tests);
+2. engine tokens/s on the tiny models with the recorder + metrics sinks on vs
+   no sinks, alternating runs, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from sqlalchemy import func, select
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from pgserver import PgServer, available  # noqa: E402
+from records import make_records  # noqa: E402
+
+from spectune.store.db import make_engine, upgrade  # noqa: E402
+from spectune.store.models import RequestRecordRow  # noqa: E402
+from spectune.store.recorder import Recorder  # noqa: E402
+
+
+def ingest_rate(url: str, n: int, spool: Path) -> float:
+    upgrade(url)
+    db = make_engine(url)
+    records = make_records(n, prefix=f"b{time.time_ns()}")
+    recorder = Recorder(db, spool, queue_size=n + 1)
+    start = time.perf_counter()
+    for r in records:
+        recorder.submit(r)
+    recorder.close(timeout=600)
+    elapsed = time.perf_counter() - start
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(RequestRecordRow)).scalar() >= n
+    db.dispose()
+    return n / elapsed
+
+
+async def engine_rate(sinks_on: bool, tiny: dict, rounds: int, root: Path) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from conftest import complete, tiny_config
+
+    from spectune.engine.core import SpecEngine
+    from spectune.serve import request_metrics
+
+    sinks = []
+    if sinks_on:
+        url = f"sqlite:///{root}/engine-{time.time_ns()}.db"
+        upgrade(url)
+        sinks = [Recorder(make_engine(url), root / f"spool-{time.time_ns()}"), request_metrics()]
+    engine = SpecEngine(tiny_config(tiny, draft="copy", n=3), sinks)
+    await engine.start()
+    try:
+        await asyncio.gather(*[complete(engine, f"warm {i}", 8) for i in range(16)])
+        rates = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            outs = await asyncio.gather(*[complete(engine, f"the model {i}", 32, temperature=0.0, ignore_eos=True) for i in range(64)])
+            rates.append(sum(len(ids) for _, ids, _ in outs) / (time.perf_counter() - start))
+        return statistics.median(rates)
+    finally:
+        await engine.shutdown()
+
+
+async def main(n: int, rounds: int, out: Path | None) -> None:
+    console = Console()
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        sqlite_rate = ingest_rate(f"sqlite:///{root}/ingest.db", n, root / "spool-sqlite")
+        console.print(f"SQLite: {sqlite_rate:,.0f} records/s")
+        lines.append(f"| SQLite (file, WAL) | {sqlite_rate:,.0f} |")
+        if available():
+            server = PgServer().init()
+            try:
+                pg_rate = ingest_rate(server.url, n, root / "spool-pg")
+            finally:
+                server.destroy()
+            console.print(f"PostgreSQL: {pg_rate:,.0f} records/s")
+            lines.append(f"| PostgreSQL 15 (loopback) | {pg_rate:,.0f} |")
+        from spectune.engine.models.tiny import make_family
+
+        tiny = make_family(Path(__file__).resolve().parent.parent / "var" / "test-models")
+        on, off = [], []
+        for _ in range(2):  # alternate to spread drift over both arms
+            off.append(await engine_rate(False, tiny, rounds, root))
+            on.append(await engine_rate(True, tiny, rounds, root))
+        r_on, r_off = statistics.median(on), statistics.median(off)
+        overhead = (r_off - r_on) / r_off * 100
+        console.print(f"engine tokens/s: recorder off {r_off:.0f}, on {r_on:.0f} (overhead {overhead:+.1f} %)")
+    text = "\n".join([
+        f"Recorder ingest, {n:,} records (submit -> spool -> database, until every row is in):", "",
+        "| store | records/s |", "|---|---|", *lines, "",
+        f"Engine throughput on the tiny models (copy draft, N=3, 64 concurrent requests x 32 tokens, "
+        f"median of {2 * rounds} runs per arm): recorder+metrics off {r_off:.0f} tokens/s, on {r_on:.0f} tokens/s, "
+        f"overhead {overhead:+.1f} %.",
+    ])
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ingest.md"))
+    args = parser.parse_args()
+    asyncio.run(main(args.records, args.rounds, args.out))

