@@ -1,0 +1,1 @@
+"""The control-plane REST API (``/api/v1``): policies, records, statistics."""

@@ -1,0 +1,68 @@
+"""Bearer-token auth with two roles.
+
+Tokens come from settings (``SPECTUNE_API_TOKENS``, JSON:
+``{"alice": {"token": "...", "role": "operator"}}``).  Comparison is
+constant-time and covers every configured token, so timing tells nothing
+about which one nearly matched; tokens are never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, SecretStr
+
+
+class Role(StrEnum):
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+
+
+class TokenSpec(BaseModel):
+    token: SecretStr
+    role: Role
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    role: Role
+
+
+_bearer = HTTPBearer(auto_error=False, description="spectune API token")
+
+
+def authenticate(tokens: dict[str, TokenSpec], presented: str) -> Principal | None:
+    found = None
+    for name, spec in tokens.items():
+        if hmac.compare_digest(spec.token.get_secret_value().encode(), presented.encode()):
+            found = Principal(name, spec.role)
+    return found
+
+
+def principal(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+    found = authenticate(request.app.state.api_tokens, credentials.credentials)
+    if found is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+    return found
+
+
+def viewer(p: Annotated[Principal, Depends(principal)]) -> Principal:
+    return p
+
+
+def operator(p: Annotated[Principal, Depends(principal)]) -> Principal:
+    if p.role != Role.OPERATOR:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "operator role required")
+    return p
+
+
+Viewer = Annotated[Principal, Depends(viewer)]
+Operator = Annotated[Principal, Depends(operator)]

@@ -1,0 +1,179 @@
+"""Policy routes: read, replace, patch, history, diff, rollback, audit.
+
+Optimistic concurrency: every read returns ``ETag: "<version>"``; every
+write needs ``If-Match`` with the version it is based on (428 without it,
+409 when it is stale).  ``X-Change-Reason`` goes into the audit trail.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response, status
+from pydantic import BaseModel, Field, ValidationError
+
+from spectune.store.policies import StaleVersionError, Versioned, json_diff
+from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings, validate_document
+
+from .auth import Operator, Viewer
+
+router = APIRouter(prefix="/api/v1", tags=["policy"])
+
+
+class PolicyVersionOut(BaseModel):
+    version: int
+    updated_at: str
+    updated_by: str
+    policy: dict[str, Any]
+
+
+class RollbackIn(BaseModel):
+    model_config = {"extra": "forbid"}
+    version: int = Field(ge=1)
+
+
+def _out(v: Versioned) -> PolicyVersionOut:
+    return PolicyVersionOut(version=v.version, updated_at=v.at.isoformat(), updated_by=v.by, policy=v.body)
+
+
+def _etag(version: int) -> str:
+    return f'"{version}"'
+
+
+def _expected(if_match: str | None) -> int:
+    if if_match is None:
+        raise HTTPException(status.HTTP_428_PRECONDITION_REQUIRED, "If-Match header with the policy version is required")
+    try:
+        return int(if_match.strip().removeprefix("W/").strip('"'))
+    except ValueError:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"If-Match must be a version ETag like \"3\", got {if_match!r}") from None
+
+
+def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
+    try:
+        doc = PolicyDocument.model_validate(body)
+        validate_document(doc, request.app.state.known_classes)
+        request.app.state.check_policy(doc)
+    except ValidationError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, [
+            {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors(include_url=False, include_context=False)
+        ]) from None
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, [{"loc": ["policy"], "msg": str(exc), "type": "value_error"}]) from None
+    return doc
+
+
+async def _write(request: Request, response: Response, doc: PolicyDocument, expected: int, who: str, reason: str | None, action: str) -> PolicyVersionOut:
+    try:
+        written = request.app.state.policies.write(doc.body(), expected, who, reason, action)
+    except StaleVersionError as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc), headers={"ETag": _etag(exc.current)}) from None
+    await request.app.state.on_policy_change(written)
+    response.headers["ETag"] = _etag(written.version)
+    return _out(written)
+
+
+@router.get("/policy", response_model=PolicyVersionOut)
+def get_policy(request: Request, response: Response, _: Viewer) -> PolicyVersionOut:
+    current = request.app.state.policies.current()
+    response.headers["ETag"] = _etag(current.version)
+    return _out(current)
+
+
+@router.put("/policy", response_model=PolicyVersionOut)
+async def replace_policy(
+    request: Request, response: Response, who: Operator, body: Annotated[dict[str, Any], Body()],
+    if_match: Annotated[str | None, Header()] = None, x_change_reason: Annotated[str | None, Header(max_length=500)] = None,
+) -> PolicyVersionOut:
+    expected = _expected(if_match)
+    return await _write(request, response, _validated(request, body), expected, who.name, x_change_reason, "replace")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+@router.patch("/policy", response_model=PolicyVersionOut)
+async def patch_policy(
+    request: Request, response: Response, who: Operator, patch: Annotated[dict[str, Any], Body()],
+    if_match: Annotated[str | None, Header()] = None, x_change_reason: Annotated[str | None, Header(max_length=500)] = None,
+) -> PolicyVersionOut:
+    expected = _expected(if_match)
+    current = request.app.state.policies.current()
+    doc = _validated(request, merge_patch(current.body, patch))
+    return await _write(request, response, doc, expected, who.name, x_change_reason, "patch")
+
+
+@router.get("/policy/versions", response_model=list[PolicyVersionOut])
+def list_versions(request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+                  offset: Annotated[int, Query(ge=0)] = 0) -> list[PolicyVersionOut]:
+    return [_out(v) for v in request.app.state.policies.versions(limit, offset)]
+
+
+def _version(request: Request, number: int) -> Versioned:
+    found = request.app.state.policies.version(number)
+    if found is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no policy version {number}")
+    return found
+
+
+@router.get("/policy/versions/{number}", response_model=PolicyVersionOut)
+def get_version(request: Request, number: int, _: Viewer) -> PolicyVersionOut:
+    return _out(_version(request, number))
+
+
+@router.get("/policy/diff")
+def diff_versions(request: Request, _: Viewer, from_: Annotated[int, Query(alias="from", ge=1)],
+                  to: Annotated[int, Query(ge=1)]) -> dict[str, Any]:
+    return {"from": from_, "to": to, "changes": json_diff(_version(request, from_).body, _version(request, to).body)}
+
+
+@router.post("/policy/rollback", response_model=PolicyVersionOut)
+async def rollback(
+    request: Request, response: Response, who: Operator, body: RollbackIn,
+    if_match: Annotated[str | None, Header()] = None, x_change_reason: Annotated[str | None, Header(max_length=500)] = None,
+) -> PolicyVersionOut:
+    expected = _expected(if_match)
+    target = _version(request, body.version)
+    doc = _validated(request, target.body)
+    reason = x_change_reason or f"rollback to version {body.version}"
+    return await _write(request, response, doc, expected, who.name, reason, "rollback")
+
+
+@router.get("/policy/effective", response_model=Policy)
+def effective(request: Request, _: Viewer, instance: str | None = None, prompt_class: Annotated[str | None, Query(alias="class")] = None) -> Policy:
+    if prompt_class is not None and prompt_class not in request.app.state.known_classes:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
+    doc = PolicyDocument.model_validate(request.app.state.policies.current().body)
+    return effective_policy(doc, instance, prompt_class)
+
+
+@router.get("/engines/{instance}/settings")
+def engine_settings(request: Request, response: Response, instance: str, _: Viewer,
+                    if_none_match: Annotated[str | None, Header()] = None) -> Any:
+    """What a (remote) engine instance should run; poll with If-None-Match."""
+    current = request.app.state.policies.current()
+    etag = _etag(current.version)
+    if if_none_match == etag:
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+    response.headers["ETag"] = etag
+    doc = PolicyDocument.model_validate(current.body)
+    return runtime_settings(doc, instance, request.app.state.known_classes, current.version).model_dump(mode="json")
+
+
+@router.get("/audit")
+def audit(request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+          offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+    return [
+        {"id": a.id, "at": a.at.isoformat(), "actor": a.actor, "action": a.action, "reason": a.reason, "diff": a.diff}
+        for a in request.app.state.policies.audit(limit, offset)
+    ]

@@ -1,0 +1,176 @@
+"""Read endpoints: request records, acceptance and latency statistics,
+tuner decisions, diagnostics reports and alerts."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request, status
+from sqlalchemy import and_, func, or_, select
+
+from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
+from spectune.store.steps import percentile
+
+from .auth import Viewer
+
+router = APIRouter(prefix="/api/v1", tags=["records"])
+
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Window = Annotated[float, Query(gt=0, le=30 * 86_400, description="Look-back window in seconds")]
+
+
+def _encode_cursor(row: Any) -> str:
+    return base64.urlsafe_b64encode(f"{row.finish_time.isoformat()}|{row.request_id}".encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        when, request_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(when), request_id
+    except (ValueError, UnicodeDecodeError):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "cursor is not one this API returned") from None
+
+
+def _known_class(request: Request, prompt_class: str | None) -> None:
+    if prompt_class is not None and prompt_class not in request.app.state.known_classes:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
+
+
+@router.get("/records")
+def list_records(
+    request: Request, _: Viewer, limit: Limit = 100, cursor: str | None = None, instance: str | None = None,
+    prompt_class: Annotated[str | None, Query(alias="class")] = None, since: datetime | None = None,
+    until: datetime | None = None,
+) -> dict[str, Any]:
+    """Newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
+    _known_class(request, prompt_class)
+    T = RequestRecordRow
+    query = select(T.__table__).order_by(T.finish_time.desc(), T.request_id.desc()).limit(limit)
+    if instance:
+        query = query.where(T.instance_id == instance)
+    if prompt_class:
+        query = query.where(T.prompt_class == prompt_class)
+    if since:
+        query = query.where(T.finish_time >= _aware(since))
+    if until:
+        query = query.where(T.finish_time < _aware(until))
+    if cursor:
+        when, rid = _decode_cursor(cursor)
+        query = query.where(or_(T.finish_time < when, and_(T.finish_time == when, T.request_id < rid)))
+    with request.app.state.db.connect() as conn:
+        rows = conn.execute(query).all()
+    items = [dict(r._mapping) for r in rows]
+    return {"items": items, "next_cursor": _encode_cursor(rows[-1]) if len(rows) == limit else None}
+
+
+def _aware(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+class AcceptanceGroup(StrEnum):
+    CLASS = "class"
+    POSITION = "position"
+    BATCH = "batch_bucket"
+
+
+@router.get("/stats/acceptance")
+def acceptance(request: Request, _: Viewer, window_s: Window = 300.0, instance: str | None = None,
+               group_by: AcceptanceGroup = AcceptanceGroup.CLASS) -> dict[str, Any]:
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
+    db = request.app.state.db
+    if group_by == AcceptanceGroup.BATCH:
+        S = StepStat
+        query = select(S.batch_bucket, S.num_speculative_tokens, func.sum(S.steps), func.sum(S.num_draft_tokens),
+                       func.sum(S.num_accepted_tokens)).where(S.minute >= since.replace(second=0, microsecond=0))
+        if instance:
+            query = query.where(S.instance_id == instance)
+        with db.connect() as conn:
+            rows = conn.execute(query.group_by(S.batch_bucket, S.num_speculative_tokens)).all()
+        return {"window_s": window_s, "group_by": group_by, "groups": [
+            {"batch_bucket": b, "n": n, "steps": steps, "drafted": d, "accepted": a, "acceptance": a / d if d else None}
+            for b, n, steps, d, a in rows]}
+    T = RequestRecordRow
+    query = select(T.prompt_class, T.drafted_per_position, T.accepted_per_position, T.num_draft_tokens,
+                   T.num_accepted_tokens).where(T.finish_time >= since)
+    if instance:
+        query = query.where(T.instance_id == instance)
+    with db.connect() as conn:
+        rows = conn.execute(query).all()
+    per_class: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        g = per_class.setdefault(r.prompt_class, {"requests": 0, "drafted": 0, "accepted": 0, "drafted_pos": [], "accepted_pos": []})
+        g["requests"] += 1
+        g["drafted"] += r.num_draft_tokens
+        g["accepted"] += r.num_accepted_tokens
+        for key, values in (("drafted_pos", r.drafted_per_position), ("accepted_pos", r.accepted_per_position)):
+            g[key] += [0] * (len(values) - len(g[key]))
+            for i, v in enumerate(values):
+                g[key][i] += v
+    groups = []
+    for cls, g in sorted(per_class.items()):
+        item = {"class": cls, "requests": g["requests"], "drafted": g["drafted"], "accepted": g["accepted"],
+                "acceptance": g["accepted"] / g["drafted"] if g["drafted"] else None}
+        if group_by == AcceptanceGroup.POSITION:
+            item["positions"] = [
+                {"position": i, "drafted": d, "accepted": a, "acceptance": a / d if d else None}
+                for i, (d, a) in enumerate(zip(g["drafted_pos"], g["accepted_pos"]))
+            ]
+        groups.append(item)
+    return {"window_s": window_s, "group_by": group_by, "groups": groups}
+
+
+@router.get("/stats/latency")
+def latency(request: Request, _: Viewer, window_s: Window = 300.0, instance: str | None = None,
+            prompt_class: Annotated[str | None, Query(alias="class")] = None) -> dict[str, Any]:
+    _known_class(request, prompt_class)
+    T = RequestRecordRow
+    query = select(T.prompt_class, T.ttft_s, T.tpot_s, T.e2e_s, T.output_tokens).where(
+        T.finish_time >= datetime.now(UTC) - timedelta(seconds=window_s)).limit(200_000)
+    if instance:
+        query = query.where(T.instance_id == instance)
+    if prompt_class:
+        query = query.where(T.prompt_class == prompt_class)
+    with request.app.state.db.connect() as conn:
+        rows = conn.execute(query).all()
+    out = []
+    for cls in sorted({r.prompt_class for r in rows}):
+        mine = [r for r in rows if r.prompt_class == cls]
+        entry: dict[str, Any] = {"class": cls, "requests": len(mine),
+                                 "output_tokens_per_s": sum(r.output_tokens for r in mine) / window_s}
+        for metric in ("ttft_s", "tpot_s", "e2e_s"):
+            values = sorted(getattr(r, metric) for r in mine if getattr(r, metric) is not None)
+            entry[metric] = {q: percentile(values, p) if values else None for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+        out.append(entry)
+    return {"window_s": window_s, "classes": out}
+
+
+def _rows(request: Request, model: Any, order: Any, limit: int, offset: int) -> list[dict[str, Any]]:
+    with request.app.state.db.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(select(model.__table__).order_by(order.desc()).limit(limit).offset(offset)).all()]
+
+
+@router.get("/decisions")
+def decisions(request: Request, _: Viewer, limit: Limit = 100, offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+    return _rows(request, TunerDecision, TunerDecision.at, limit, offset)
+
+
+@router.get("/diagnostics")
+def diagnostics(request: Request, _: Viewer, limit: Limit = 100, offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+    return _rows(request, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)
+
+
+@router.get("/diagnostics/{report_id}")
+def diagnostic(request: Request, report_id: int, _: Viewer) -> dict[str, Any]:
+    with request.app.state.db.connect() as conn:
+        row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).first()
+    if row is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no diagnostics report {report_id}")
+    return dict(row._mapping)
+
+
+@router.get("/alerts")
+def alerts(request: Request, _: Viewer, limit: Limit = 100, offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+    return _rows(request, AlertEvent, AlertEvent.received_at, limit, offset)

@@ -1,0 +1,1 @@
+"""The control plane's decisions: policies now, the goodput tuner next."""

@@ -1,0 +1,169 @@
+"""Speculation policy: what operators set and what the tuner may do.
+
+A ``PolicyDocument`` holds the global policy plus per-class and per-instance
+overrides.  ``effective_policy`` (pure) resolves what applies to one
+instance and class -- global, then class, then instance override -- and
+``runtime_settings`` (pure) turns that into the engine's ``RuntimeSettings``,
+folding the batch rules (speculation off below / above a batch size) into
+the batch-size table.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from spectune.engine.schema import BatchRange, ClassSettings, RuntimeSettings
+
+MAX_N = 16
+MAX_BATCH = 4096
+
+
+class TunerMode(StrEnum):
+    AUTO = "auto"  # apply decisions
+    ADVISE = "advise"  # record decisions, apply nothing
+    FROZEN = "frozen"  # decide nothing
+
+
+class PolicyOverride(BaseModel):
+    """Any subset of the policy fields; unset fields inherit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    speculation_enabled: bool | None = None
+    method: Literal["none", "ngram", "draft_model"] | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_N)
+    n_min: int | None = Field(default=None, ge=0, le=MAX_N, description="Lowest N the tuner may choose")
+    n_max: int | None = Field(default=None, ge=0, le=MAX_N, description="Highest N the tuner may choose")
+    batch_table: list[BatchRange] | None = None
+    disable_below_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH, description="Off for batch < this")
+    disable_above_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH, description="Off for batch > this")
+    acceptance_floor: float | None = Field(default=None, ge=0.0, le=1.0)
+    tuner_mode: TunerMode | None = None
+    cooldown_s: float | None = Field(default=None, ge=0.0, le=86_400.0)
+    exploration_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    diagnosis_acceptance_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    diagnosis_min_requests: int | None = Field(default=None, ge=1, le=1_000_000)
+
+
+class Policy(BaseModel):
+    """A fully resolved policy (every field set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    speculation_enabled: bool = True
+    method: Literal["none", "ngram", "draft_model"] | None = Field(
+        default=None, description="None: as the engine was started; a change rebuilds the engine")
+    draft_model: str | None = Field(default=None, description="None: as the engine was started")
+    num_speculative_tokens: int = Field(default=3, ge=0, le=MAX_N)
+    n_min: int = Field(default=0, ge=0, le=MAX_N)
+    n_max: int = Field(default=6, ge=0, le=MAX_N)
+    batch_table: list[BatchRange] = Field(default_factory=list)
+    disable_below_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
+    disable_above_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
+    acceptance_floor: float = Field(default=0.70, ge=0.0, le=1.0)
+    tuner_mode: TunerMode = TunerMode.AUTO
+    cooldown_s: float = Field(default=300.0, ge=0.0, le=86_400.0)
+    exploration_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    diagnosis_acceptance_threshold: float = Field(default=0.70, ge=0.0, le=1.0)
+    diagnosis_min_requests: int = Field(default=50, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Policy:
+        if self.n_min > self.n_max:
+            raise ValueError(f"n_min ({self.n_min}) must be <= n_max ({self.n_max})")
+        if not self.n_min <= self.num_speculative_tokens <= self.n_max:
+            raise ValueError(
+                f"num_speculative_tokens ({self.num_speculative_tokens}) must lie in "
+                f"[n_min, n_max] = [{self.n_min}, {self.n_max}]"
+            )
+        for entry in self.batch_table:
+            if entry.num_speculative_tokens > self.n_max:
+                raise ValueError(f"batch_table N {entry.num_speculative_tokens} exceeds n_max ({self.n_max})")
+        ordered = sorted(self.batch_table, key=lambda r: r.min_batch)
+        for before, after in zip(ordered, ordered[1:]):
+            if after.min_batch <= before.max_batch:
+                raise ValueError(
+                    f"batch_table ranges overlap: [{before.min_batch},{before.max_batch}] and "
+                    f"[{after.min_batch},{after.max_batch}]"
+                )
+        below, above = self.disable_below_batch, self.disable_above_batch
+        if below is not None and above is not None and below > above:
+            raise ValueError(f"disable_below_batch ({below}) must be <= disable_above_batch ({above})")
+        if self.method == "draft_model" and self.draft_model is not None and not self.draft_model.strip():
+            raise ValueError("draft_model must not be blank")
+        return self
+
+
+class PolicyDocument(BaseModel):
+    """What the API versions: global policy plus overrides by class and instance."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    global_: Policy = Field(default_factory=Policy, alias="global")
+    classes: dict[str, PolicyOverride] = Field(default_factory=dict)
+    instances: dict[str, PolicyOverride] = Field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def effective_policy(doc: PolicyDocument, instance: str | None, prompt_class: str | None) -> Policy:
+    """global <- class override <- instance override (later wins); validated."""
+    merged = doc.global_.model_dump()
+    for override in (doc.classes.get(prompt_class or ""), doc.instances.get(instance or "")):
+        if override is not None:
+            merged.update(override.model_dump(exclude_none=True))
+    return Policy.model_validate(merged)
+
+
+def validate_document(doc: PolicyDocument, known_classes: set[str] | None = None) -> None:
+    """Every combination must resolve to a valid policy; unknown classes are refused."""
+    if known_classes is not None:
+        unknown = sorted(set(doc.classes) - known_classes)
+        if unknown:
+            raise ValueError(f"unknown prompt class(es) {unknown}; known: {sorted(known_classes)}")
+    for instance in [None, *doc.instances]:
+        for prompt_class in [None, *doc.classes]:
+            try:
+                effective_policy(doc, instance, prompt_class)
+            except ValueError as exc:
+                where = f"class {prompt_class!r}" if prompt_class else "global"
+                if instance:
+                    where += f", instance {instance!r}"
+                raise ValueError(f"{where}: {exc}") from exc
+
+
+def batch_table(policy: Policy) -> list[BatchRange]:
+    """The policy's table with the batch rules folded in (rules win where they apply)."""
+    off: list[tuple[int, int]] = []
+    if policy.disable_below_batch is not None and policy.disable_below_batch > 1:
+        off.append((1, policy.disable_below_batch - 1))
+    if policy.disable_above_batch is not None and policy.disable_above_batch < MAX_BATCH:
+        off.append((policy.disable_above_batch + 1, MAX_BATCH))
+    table: list[BatchRange] = [BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=0) for lo, hi in off]
+    for entry in policy.batch_table:
+        pieces = [(entry.min_batch, entry.max_batch)]
+        for lo, hi in off:  # cut the parts the rules switch off
+            pieces = [p for a, b in pieces for p in ((a, min(b, lo - 1)), (max(a, hi + 1), b)) if p[0] <= p[1]]
+        table += [BatchRange(min_batch=a, max_batch=b, num_speculative_tokens=entry.num_speculative_tokens) for a, b in pieces]
+    return sorted(table, key=lambda r: r.min_batch)
+
+
+def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], version: int) -> RuntimeSettings:
+    """The engine settings this policy document means for one instance."""
+    base = effective_policy(doc, instance, None)
+    per_class = {}
+    for prompt_class in sorted(classes):
+        p = effective_policy(doc, instance, prompt_class)
+        per_class[prompt_class] = ClassSettings(
+            speculation_enabled=p.speculation_enabled, num_speculative_tokens=p.num_speculative_tokens,
+            batch_table=batch_table(p),
+        )
+    return RuntimeSettings(
+        version=version, speculation_enabled=base.speculation_enabled,
+        num_speculative_tokens=base.num_speculative_tokens, batch_table=batch_table(base), classes=per_class,
+    )
