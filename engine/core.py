@@ -32,6 +32,21 @@ log = logging.getLogger(__name__)
 SCHEDULER_CLS = "spectune.engine.scheduler.SpectuneScheduler"
 
 
+class _DropIterationLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Iteration(" not in str(record.msg)
+
+
+def _quiet_iteration_logs() -> None:
+    """We ask vLLM for per-iteration details (step time for the cost model);
+    its logging stat logger would then print a line per engine step.  vLLM
+    re-applies its logging config while building the engine (which resets
+    logger levels), so a filter is what sticks."""
+    vllm_stats_log = logging.getLogger("vllm.v1.metrics.loggers")
+    if not any(isinstance(f, _DropIterationLines) for f in vllm_stats_log.filters):
+        vllm_stats_log.addFilter(_DropIterationLines())
+
+
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked (maps to HTTP 400)."""
 
@@ -131,9 +146,7 @@ class SpecEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        # vLLM's logging stat logger would print every iteration (we ask for
-        # iteration details); it is only added while its logger is at INFO.
-        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+        _quiet_iteration_logs()
         if current_platform.is_cpu():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
         args = AsyncEngineArgs(

@@ -1,44 +1,96 @@
-"""The HTTP application: engine serving plus health endpoints.
-
-This is the one place where the engine is wired to its sinks (and, as the
-control plane grows, to the store, API and tuner).
-"""
+"""The HTTP application: OpenAI serving (/v1), the control-plane API
+(/api/v1), health and metrics.  With ``engine=None`` it is the control plane
+alone, for a fleet of remote engines that follow it."""
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from sqlalchemy import Engine
 
+from spectune.api import policies, records
+from spectune.api.auth import TokenSpec
+from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
+from spectune.engine.classifier import PromptClassifier
 from spectune.engine.core import SpecEngine
 from spectune.engine.openai_api import build_router, install_error_handlers
+from spectune.store.policies import PolicyRepository, Versioned
+from spectune.tuner.policy import PolicyDocument
+
+log = logging.getLogger(__name__)
 
 
-def create_app(engine: SpecEngine, openai_api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: SpecEngine | None,
+    db: Engine,
+    api_tokens: dict[str, TokenSpec],
+    openai_api_key: str | None = None,
+    follower: PolicyFollower | None = None,
+) -> FastAPI:
+    """``follower``: this engine obeys a remote control plane instead of its own store."""
+    control = EmbeddedControl(engine) if engine is not None and follower is None else None
+    repo = PolicyRepository(db)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        if not engine.started:  # tests may hand in a started engine
+        if engine is not None and not engine.started:  # tests may hand in a started engine
             await engine.start()
+        current = repo.ensure((initial_policy(engine) if engine else PolicyDocument()).body(), "spectune")
+        if control is not None:
+            try:  # the stored policy wins over start-up flags, so a restart keeps operators' changes
+                control.check(PolicyDocument.model_validate(current.body))
+                await control.apply(current)
+            except ValueError as exc:
+                log.error("stored policy v%d not applied to this engine: %s", current.version, exc)
+        if follower is not None:
+            follower.start()
         try:
             yield
         finally:
-            await engine.shutdown()
+            if follower is not None:
+                await follower.stop()
+            if engine is not None:
+                await engine.shutdown()
 
-    app = FastAPI(title="spectune", version="0.1.0", lifespan=lifespan)
+    async def on_policy_change(current: Versioned) -> None:
+        if control is not None:
+            await control.apply(current)
+
+    def check_policy(doc: PolicyDocument) -> None:
+        if control is not None:
+            control.check(doc)
+
+    app = FastAPI(title="spectune", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible serving with speculative decoding, and its control plane.")
+    app.state.db = db
+    app.state.policies = repo
+    app.state.api_tokens = api_tokens
+    app.state.known_classes = set((engine.config.classifier if engine else PromptClassifier()).classes)
+    app.state.on_policy_change = on_policy_change
+    app.state.check_policy = check_policy
     install_error_handlers(app)
-    app.include_router(build_router(engine, openai_api_key))
+    if engine is not None:
+        app.include_router(build_router(engine, openai_api_key))
+    app.include_router(policies.router)
+    app.include_router(records.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz")
+    @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz")
-    async def readyz() -> dict:
+    @app.get("/readyz", tags=["health"])
+    async def readyz(response: Response) -> dict:
+        if engine is None:
+            return {"ready": True, "engine": None}
+        if not engine.running:
+            response.status_code = 503
         return {
             "ready": engine.running,
             "model": engine.config.name,

@@ -60,11 +60,12 @@ def serve(
     port: Annotated[Optional[int], typer.Option()] = None,
     db: Annotated[Optional[str], typer.Option(help="Database URL (default sqlite:///var/spectune.db; postgresql+psycopg://user@host/db).")] = None,
     records: Annotated[Optional[Path], typer.Option(help="Also append request records to this JSONL file.")] = None,
+    no_engine: Annotated[bool, typer.Option("--no-engine", help="Control plane only, for remote engines.")] = False,
+    control_plane: Annotated[Optional[str], typer.Option(help="Follow this control plane's policy (remote engine).")] = None,
 ) -> None:
     """Serve the OpenAI-compatible API on the embedded vLLM engine."""
     import uvicorn
 
-    from spectune.app import create_app
     from spectune.serve import build_stack
 
     overrides = {
@@ -72,20 +73,23 @@ def serve(
         for k, v in dict(
             model=model, draft_model=draft_model, method=method, num_speculative_tokens=num_speculative_tokens,
             max_speculative_tokens=max_speculative_tokens, dtype=dtype, host=host, port=port, records_path=records, db=db,
+            no_engine=no_engine or None, control_plane_url=control_plane,
         ).items()
         if v is not None
     }
     settings = Settings(**overrides)
-    config = _engine_config(settings)
+    config = None if settings.no_engine else _engine_config(settings)
     logging.basicConfig(level=logging.INFO)
     stack = build_stack(settings, config)
-    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
+    what = "control plane only" if config is None else f"{config.name} ({config.method}, N={config.initial.num_speculative_tokens})"
     console.print(
-        f"[bold]spectune[/] serving {config.name} ({config.method}, N={config.initial.num_speculative_tokens}) "
-        f"on http://{settings.host}:{settings.port}/v1; records -> {_redact(settings.db)}"
+        f"[bold]spectune[/] serving {what} on http://{settings.host}:{settings.port} "
+        f"(/v1 OpenAI, /api/v1 control, /docs); database {_redact(settings.db)}"
     )
+    if not settings.api_tokens:
+        console.print(f"API operator token: in {settings.token_file} (set SPECTUNE_API_TOKENS to configure tokens)")
     try:
-        uvicorn.run(create_app(stack.engine, key), host=settings.host, port=settings.port, log_level="info")
+        uvicorn.run(stack.app, host=settings.host, port=settings.port, log_level="info")
     finally:
         stack.close()
 

@@ -3,6 +3,7 @@
     engine --records--> recorder --> DB            (store)
            --records--> request metrics --> /metrics
     DB <-- retention job (APScheduler)
+    API --policy--> EmbeddedControl --settings--> engine   (or PolicyFollower for a remote one)
 
 ``Stack`` builds them from ``Settings`` and tears them down in order.
 """
@@ -10,12 +11,17 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from apscheduler.schedulers.background import BackgroundScheduler
+from fastapi import FastAPI
 from prometheus_client import REGISTRY
 
+from spectune.api.auth import Role, TokenSpec
+from spectune.app import create_app
+from spectune.control import PolicyFollower
 from spectune.engine import EngineConfig
 from spectune.engine.core import SpecEngine
 from spectune.engine.sinks import JsonlSink, RecordSink
@@ -40,8 +46,8 @@ def request_metrics() -> RequestMetrics:
 
 @dataclass
 class Stack:
-    engine: SpecEngine
-    recorder: Recorder | None
+    app: FastAPI
+    engine: SpecEngine | None
     scheduler: BackgroundScheduler
     collectors: list = field(default_factory=list)
 
@@ -52,23 +58,44 @@ class Stack:
         # The recorder closes with the engine's sinks (SpecEngine.shutdown).
 
 
-def build_stack(settings: Settings, config: EngineConfig) -> Stack:
+def api_tokens(settings: Settings) -> dict[str, TokenSpec]:
+    """Configured tokens, or one generated operator token kept in a 0600 file."""
+    if settings.api_tokens:
+        return settings.api_tokens
+    path = settings.token_file
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+    return {"local-operator": TokenSpec(token=path.read_text().strip(), role=Role.OPERATOR)}
+
+
+def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
+    """Engine (unless ``config`` is None) + recorder + metrics + API + scheduler."""
     upgrade(settings.db)
     db = make_engine(settings.db, pool_pre_ping=True)
-    recorder = Recorder(db, settings.spool_dir)
-    metrics = request_metrics()
-    sinks: list[RecordSink] = [recorder, metrics]
-    if settings.records_path is not None:
-        sinks.append(JsonlSink(settings.records_path))
-    engine = SpecEngine(config, sinks)
-    classes = sorted(config.classifier.classes)
-    engine.settings_listeners.append(lambda s, cap: metrics.settings_applied(s, classes, cap))
-    collector = RecorderCollector(lambda: recorder.stats, recorder.spool.pending_bytes)
-    REGISTRY.register(collector)
     scheduler = BackgroundScheduler(daemon=True)
+    collectors = []
+    engine = follower = None
+    if config is not None:
+        recorder = Recorder(db, settings.spool_dir)
+        metrics = request_metrics()
+        sinks: list[RecordSink] = [recorder, metrics]
+        if settings.records_path is not None:
+            sinks.append(JsonlSink(settings.records_path))
+        engine = SpecEngine(config, sinks)
+        classes = sorted(config.classifier.classes)
+        engine.settings_listeners.append(lambda s, cap: metrics.settings_applied(s, classes, cap))
+        collectors.append(RecorderCollector(lambda: recorder.stats, recorder.spool.pending_bytes))
+        REGISTRY.register(collectors[-1])
+        if settings.control_plane_url:
+            token = settings.control_plane_token.get_secret_value() if settings.control_plane_token else ""
+            follower = PolicyFollower(engine, settings.control_plane_url, token)
     scheduler.add_job(
         roll_up, "interval", seconds=settings.retention_interval_s, args=[db, timedelta(days=settings.retention_days)],
         id="retention", max_instances=1, coalesce=True,
     )
     scheduler.start()
-    return Stack(engine=engine, recorder=recorder, scheduler=scheduler, collectors=[collector])
+    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
+    app = create_app(engine, db, api_tokens(settings), key, follower)
+    return Stack(app=app, engine=engine, scheduler=scheduler, collectors=collectors)

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from spectune.api.auth import TokenSpec
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECTUNE_", extra="ignore")
@@ -30,3 +32,11 @@ class Settings(BaseSettings):
     retention_days: float = Field(default=7.0, gt=0)
     retention_interval_s: int = Field(default=600, ge=10)
     openai_api_key: SecretStr | None = None
+    api_tokens: dict[str, TokenSpec] = Field(
+        default_factory=dict,
+        description='JSON {"name": {"token": "...", "role": "viewer|operator"}}; none: a local operator token is generated',
+    )
+    token_file: Path = Path("var/api-token")
+    no_engine: bool = False
+    control_plane_url: str | None = Field(default=None, description="Follow this control plane's policy instead of the local one")
+    control_plane_token: SecretStr | None = None

@@ -35,7 +35,13 @@ class Versioned:
 
 
 def json_diff(before: Any, after: Any, path: str = "") -> list[dict[str, Any]]:
-    """Changed leaves as [{path, before, after}] (dicts recurse; lists compare whole)."""
+    """Changed leaves as [{path, before, after}] (dicts recurse, a missing dict
+    counts as empty; lists compare whole)."""
+    if isinstance(before, dict) or isinstance(after, dict):
+        if before is None:
+            before = {}
+        if after is None:
+            after = {}
     if isinstance(before, dict) and isinstance(after, dict):
         out = []
         for key in sorted(set(before) | set(after)):
@@ -50,7 +56,7 @@ class PolicyRepository:
 
     def current(self) -> Versioned | None:
         with self.db.connect() as conn:
-            row = conn.execute(select(Policy).where(Policy.scope == SCOPE)).scalars().first()
+            row = conn.execute(select(Policy.__table__).where(Policy.scope == SCOPE)).first()
         return None if row is None else Versioned(row.version, row.body, row.updated_at, row.updated_by)
 
     def ensure(self, body: dict[str, Any], actor: str) -> Versioned:
@@ -69,7 +75,7 @@ class PolicyRepository:
     def write(self, body: dict[str, Any], expected: int, actor: str, reason: str | None, action: str) -> Versioned:
         now = datetime.now(UTC)
         with self.db.begin() as conn:
-            old = conn.execute(select(Policy).where(Policy.scope == SCOPE)).scalars().one()
+            old = conn.execute(select(Policy.__table__).where(Policy.scope == SCOPE)).one()
             result = conn.execute(
                 update(Policy).where(Policy.scope == SCOPE, Policy.version == expected)
                 .values(version=expected + 1, body=body, updated_at=now, updated_by=actor)
@@ -86,16 +92,16 @@ class PolicyRepository:
     def versions(self, limit: int, offset: int) -> list[Versioned]:
         with self.db.connect() as conn:
             rows = conn.execute(
-                select(PolicyVersion).where(PolicyVersion.scope == SCOPE)
+                select(PolicyVersion.__table__).where(PolicyVersion.scope == SCOPE)
                 .order_by(PolicyVersion.version.desc()).limit(limit).offset(offset)
-            ).scalars().all()
+            ).all()
         return [Versioned(r.version, r.body, r.created_at, r.created_by) for r in rows]
 
     def version(self, number: int) -> Versioned | None:
         with self.db.connect() as conn:
-            r = conn.execute(select(PolicyVersion).where(PolicyVersion.scope == SCOPE, PolicyVersion.version == number)).scalars().first()
+            r = conn.execute(select(PolicyVersion.__table__).where(PolicyVersion.scope == SCOPE, PolicyVersion.version == number)).first()
         return None if r is None else Versioned(r.version, r.body, r.created_at, r.created_by)
 
-    def audit(self, limit: int, offset: int) -> list[AuditEntry]:
+    def audit(self, limit: int, offset: int) -> list[Any]:
         with self.db.connect() as conn:
-            return list(conn.execute(select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit).offset(offset)).scalars().all())
+            return list(conn.execute(select(AuditEntry.__table__).order_by(AuditEntry.id.desc()).limit(limit).offset(offset)).all())
