@@ -6,6 +6,7 @@ per configuration) and share it.
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -109,6 +110,11 @@ def db_url(request, tmp_path):
     return server.url
 
 
+API_TOKENS = {"vic": {"token": "viewer-token", "role": "viewer"}, "ola": {"token": "operator-token", "role": "operator"}}
+VIEWER = {"Authorization": "Bearer viewer-token"}
+OPERATOR = {"Authorization": "Bearer operator-token"}
+
+
 @dataclass
 class Served:
     base: str
@@ -132,7 +138,7 @@ def served(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
     env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32",
-               SPECTUNE_SPOOL_DIR=str(root / "spool"))
+               SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_API_TOKENS=json.dumps(API_TOKENS))
     cmd = [sys.executable, "-m", "spectune.cli", "serve", "--model", str(tiny["target"]),
            "--draft-model", str(tiny["copy"]), "-n", "3", "--max-speculative-tokens", "4",
            "--port", str(port), "--records", str(records), "--db", db]

@@ -1,0 +1,71 @@
+"""End to end: an operator changes N for a class through the API while
+requests run; the engine obeys at once; rollback restores it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from conftest import OPERATOR, VIEWER
+
+
+def _records_since(base: str, since: float, prompt_class: str) -> list[dict]:
+    from datetime import UTC, datetime
+
+    items = httpx.get(f"{base}/api/v1/records", headers=VIEWER, timeout=30,
+                      params={"class": prompt_class, "limit": 1000,
+                              "since": datetime.fromtimestamp(since, UTC).isoformat()}).json()["items"]
+    for item in items:
+        item["arrival"] = datetime.fromisoformat(item["arrival_time"]).timestamp()
+    return items
+
+
+def test_change_n_for_a_class_while_serving_then_roll_back(served):
+    base = served.base
+    failures, stop = [], threading.Event()
+
+    def load():
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                r = client.post(f"{base}/v1/completions", json={"model": "target", "prompt": "the draft", "max_tokens": 24,
+                                                                 "temperature": 0, "ignore_eos": True})
+                if r.status_code != 200:
+                    failures.append(r.text)
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    [w.start() for w in workers]
+    try:
+        current = httpx.get(f"{base}/api/v1/policy", headers=VIEWER).json()
+        start_version = current["version"]
+        t0 = time.time()
+        r = httpx.patch(f"{base}/api/v1/policy", json={"classes": {"qa": {"num_speculative_tokens": 1}}},
+                        headers={**OPERATOR, "If-Match": f'"{start_version}"', "X-Change-Reason": "e2e"}, timeout=30)
+        assert r.status_code == 200, r.text
+        changed_at = time.time()
+        assert httpx.get(f"{base}/readyz").json()["settings_version"] == start_version + 1
+        print(f"\npolicy PATCH -> engine holds it: {(changed_at - t0) * 1000:.0f} ms")
+        time.sleep(1.5)
+        r = httpx.post(f"{base}/api/v1/policy/rollback", json={"version": start_version},
+                       headers={**OPERATOR, "If-Match": f'"{start_version + 1}"'}, timeout=30)
+        assert r.status_code == 200, r.text
+        rolled_at = time.time()
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        [w.join() for w in workers]
+    time.sleep(0.5)
+    assert failures == []
+    during = [r for r in _records_since(base, changed_at, "qa") if changed_at < r["arrival"] < rolled_at - 0.1]
+    after = [r for r in _records_since(base, rolled_at, "qa") if r["arrival"] > rolled_at]
+    assert during and all(r["num_speculative_tokens"] == 1 and r["settings_version"] == start_version + 1 for r in during)
+    assert all(max(r["drafted_per_position"][1:] or [0]) == 0 for r in during)
+    assert after and all(r["num_speculative_tokens"] == 3 and r["settings_version"] == start_version + 2 for r in after)
+
+
+def test_policy_beyond_engine_capacity_is_refused(served):
+    etag = httpx.get(f"{served.base}/api/v1/policy", headers=VIEWER).headers["ETag"]
+    r = httpx.patch(f"{served.base}/api/v1/policy", json={"global": {"n_max": 8, "num_speculative_tokens": 8}},
+                    headers={**OPERATOR, "If-Match": etag})
+    assert r.status_code == 422 and "capacity" in r.text
