@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -58,7 +59,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         if not request.url.path.startswith("/v1/"):
-            return JSONResponse({"detail": exc.errors()}, status_code=422)
+            return JSONResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
         return _error_response(400, message, "invalid_request_error", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)

@@ -70,7 +70,8 @@ def test_concurrent_patches_one_wins(api):
     assert sorted(results) == [200, 409]
     history = api.get("/api/v1/policy/versions", headers=VIEWER).json()
     assert [v["version"] for v in history] == [2, 1]  # exactly one change
-    assert api.patch("/api/v1/policy", json={}, headers=OPERATOR).status_code == 428  # If-Match required
+    missing = api.patch("/api/v1/policy", json={}, headers=OPERATOR)  # If-Match is required
+    assert missing.status_code == 422 and "if-match" in missing.text.lower()
 
 
 @pytest.mark.parametrize("patch, field", [

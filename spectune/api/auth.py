@@ -11,9 +11,9 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, SecretStr
 
@@ -63,6 +63,20 @@ def operator(p: Annotated[Principal, Depends(principal)]) -> Principal:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "operator role required")
     return p
 
+
+class ErrorOut(BaseModel):
+    detail: Any
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut, "description": "Missing or invalid bearer token"},
+    403: {"model": ErrorOut, "description": "Operator role required"},
+    404: {"model": ErrorOut, "description": "Not found"},
+    422: {"model": ErrorOut, "description": "Invalid input; the message names the field"},
+}
+
+# Page offsets stay within a 64-bit integer (SQLite refuses larger ones).
+Offset = Annotated[int, Query(ge=0, le=1_000_000_000)]
 
 Viewer = Annotated[Principal, Depends(viewer)]
 Operator = Annotated[Principal, Depends(operator)]

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
 from pydantic import BaseModel, Field, ValidationError
 
 from spectune.store.policies import StaleVersionError, Versioned, json_diff
 from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings, validate_document
 
-from .auth import Operator, Viewer
+from .auth import ERRORS, ErrorOut, Offset, Operator, Viewer
 
-router = APIRouter(prefix="/api/v1", tags=["policy"])
+router = APIRouter(prefix="/api/v1", tags=["policy"], responses=ERRORS)
+WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
+    409: {"model": ErrorOut, "description": "Stale If-Match: the policy changed meanwhile (ETag has the current version)"},
+    400: {"model": ErrorOut, "description": "Malformed If-Match"},
+}
+IfMatch = Annotated[str, Header(description='The version this write is based on, as returned in ETag, e.g. "3"')]
+Reason = Annotated[str | None, Header(max_length=500, description="Why; recorded in the audit trail")]
 
 
 class PolicyVersionOut(BaseModel):
@@ -29,7 +35,7 @@ class PolicyVersionOut(BaseModel):
 
 class RollbackIn(BaseModel):
     model_config = {"extra": "forbid"}
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=2**31)
 
 
 def _out(v: Versioned) -> PolicyVersionOut:
@@ -40,9 +46,7 @@ def _etag(version: int) -> str:
     return f'"{version}"'
 
 
-def _expected(if_match: str | None) -> int:
-    if if_match is None:
-        raise HTTPException(status.HTTP_428_PRECONDITION_REQUIRED, "If-Match header with the policy version is required")
+def _expected(if_match: str) -> int:
     try:
         return int(if_match.strip().removeprefix("W/").strip('"'))
     except ValueError:
@@ -80,13 +84,13 @@ def get_policy(request: Request, response: Response, _: Viewer) -> PolicyVersion
     return _out(current)
 
 
-@router.put("/policy", response_model=PolicyVersionOut)
+@router.put("/policy", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def replace_policy(
-    request: Request, response: Response, who: Operator, body: Annotated[dict[str, Any], Body()],
-    if_match: Annotated[str | None, Header()] = None, x_change_reason: Annotated[str | None, Header(max_length=500)] = None,
+    request: Request, response: Response, who: Operator, body: PolicyDocument, if_match: IfMatch,
+    x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
-    return await _write(request, response, _validated(request, body), expected, who.name, x_change_reason, "replace")
+    return await _write(request, response, _validated(request, body.body()), expected, who.name, x_change_reason, "replace")
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -102,10 +106,11 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
-@router.patch("/policy", response_model=PolicyVersionOut)
+@router.patch("/policy", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def patch_policy(
-    request: Request, response: Response, who: Operator, patch: Annotated[dict[str, Any], Body()],
-    if_match: Annotated[str | None, Header()] = None, x_change_reason: Annotated[str | None, Header(max_length=500)] = None,
+    request: Request, response: Response, who: Operator,
+    patch: Annotated[dict[str, Any], Body(description="JSON merge patch (RFC 7386) on the policy document")],
+    if_match: IfMatch, x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
     current = request.app.state.policies.current()
@@ -115,7 +120,7 @@ async def patch_policy(
 
 @router.get("/policy/versions", response_model=list[PolicyVersionOut])
 def list_versions(request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50,
-                  offset: Annotated[int, Query(ge=0)] = 0) -> list[PolicyVersionOut]:
+                  offset: Offset = 0) -> list[PolicyVersionOut]:
     return [_out(v) for v in request.app.state.policies.versions(limit, offset)]
 
 
@@ -127,20 +132,20 @@ def _version(request: Request, number: int) -> Versioned:
 
 
 @router.get("/policy/versions/{number}", response_model=PolicyVersionOut)
-def get_version(request: Request, number: int, _: Viewer) -> PolicyVersionOut:
+def get_version(request: Request, number: Annotated[int, Path(ge=1, le=2**31)], _: Viewer) -> PolicyVersionOut:
     return _out(_version(request, number))
 
 
 @router.get("/policy/diff")
-def diff_versions(request: Request, _: Viewer, from_: Annotated[int, Query(alias="from", ge=1)],
-                  to: Annotated[int, Query(ge=1)]) -> dict[str, Any]:
+def diff_versions(request: Request, _: Viewer, from_: Annotated[int, Query(alias="from", ge=1, le=2**31)],
+                  to: Annotated[int, Query(ge=1, le=2**31)]) -> dict[str, Any]:
     return {"from": from_, "to": to, "changes": json_diff(_version(request, from_).body, _version(request, to).body)}
 
 
-@router.post("/policy/rollback", response_model=PolicyVersionOut)
+@router.post("/policy/rollback", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def rollback(
-    request: Request, response: Response, who: Operator, body: RollbackIn,
-    if_match: Annotated[str | None, Header()] = None, x_change_reason: Annotated[str | None, Header(max_length=500)] = None,
+    request: Request, response: Response, who: Operator, body: RollbackIn, if_match: IfMatch,
+    x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
     target = _version(request, body.version)
@@ -157,7 +162,7 @@ def effective(request: Request, _: Viewer, instance: str | None = None, prompt_c
     return effective_policy(doc, instance, prompt_class)
 
 
-@router.get("/engines/{instance}/settings")
+@router.get("/engines/{instance}/settings", responses={304: {"description": "Unchanged since If-None-Match"}})
 def engine_settings(request: Request, response: Response, instance: str, _: Viewer,
                     if_none_match: Annotated[str | None, Header()] = None) -> Any:
     """What a (remote) engine instance should run; poll with If-None-Match."""
@@ -172,7 +177,7 @@ def engine_settings(request: Request, response: Response, instance: str, _: View
 
 @router.get("/audit")
 def audit(request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50,
-          offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+          offset: Offset = 0) -> list[dict[str, Any]]:
     return [
         {"id": a.id, "at": a.at.isoformat(), "actor": a.actor, "action": a.action, "reason": a.reason, "diff": a.diff}
         for a in request.app.state.policies.audit(limit, offset)

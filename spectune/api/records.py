@@ -8,15 +8,15 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from sqlalchemy import and_, func, or_, select
 
 from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
 from spectune.store.steps import percentile
 
-from .auth import Viewer
+from .auth import ERRORS, ErrorOut, Offset, Viewer
 
-router = APIRouter(prefix="/api/v1", tags=["records"])
+router = APIRouter(prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}})
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Window = Annotated[float, Query(gt=0, le=30 * 86_400, description="Look-back window in seconds")]
@@ -153,17 +153,17 @@ def _rows(request: Request, model: Any, order: Any, limit: int, offset: int) -> 
 
 
 @router.get("/decisions")
-def decisions(request: Request, _: Viewer, limit: Limit = 100, offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+def decisions(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
     return _rows(request, TunerDecision, TunerDecision.at, limit, offset)
 
 
 @router.get("/diagnostics")
-def diagnostics(request: Request, _: Viewer, limit: Limit = 100, offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+def diagnostics(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
     return _rows(request, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)
 
 
 @router.get("/diagnostics/{report_id}")
-def diagnostic(request: Request, report_id: int, _: Viewer) -> dict[str, Any]:
+def diagnostic(request: Request, report_id: Annotated[int, Path(ge=1, le=2**62)], _: Viewer) -> dict[str, Any]:
     with request.app.state.db.connect() as conn:
         row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).first()
     if row is None:
@@ -172,5 +172,5 @@ def diagnostic(request: Request, report_id: int, _: Viewer) -> dict[str, Any]:
 
 
 @router.get("/alerts")
-def alerts(request: Request, _: Viewer, limit: Limit = 100, offset: Annotated[int, Query(ge=0)] = 0) -> list[dict[str, Any]]:
+def alerts(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
     return _rows(request, AlertEvent, AlertEvent.received_at, limit, offset)
