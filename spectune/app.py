@@ -11,7 +11,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from sqlalchemy import Engine
 
-from spectune.api import policies, records
+from spectune.api import alerts, policies, records
 from spectune.api.auth import TokenSpec
 from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
 from spectune.engine.classifier import PromptClassifier
@@ -76,6 +76,7 @@ def create_app(
         app.include_router(build_router(engine, openai_api_key))
     app.include_router(policies.router)
     app.include_router(records.router)
+    app.include_router(alerts.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -145,3 +145,19 @@ def test_records_pagination_and_stats(api):
     assert api.get("/api/v1/records", params={"cursor": "garbage"}, headers=VIEWER).status_code == 400
     assert api.get("/api/v1/records", params={"class": "nope"}, headers=VIEWER).status_code == 404
     assert api.get("/api/v1/stats/acceptance", params={"window_s": -1}, headers=VIEWER).status_code == 422
+
+
+def test_alertmanager_webhook_is_idempotent(api):
+    alert = {"status": "firing", "labels": {"alertname": "SpecAcceptanceLow", "class": "qa"},
+             "annotations": {"summary": "acceptance < 70% for 5m"}, "startsAt": "2026-11-30T10:00:00Z",
+             "fingerprint": "abc123"}
+    payload = {"version": "4", "status": "firing", "receiver": "spectune", "alerts": [alert]}
+    assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=VIEWER).status_code == 403
+    assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=OPERATOR).json() == {"received": 1, "stored": 1}
+    assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=OPERATOR).json()["stored"] == 0  # repeat
+    resolved = {**payload, "status": "resolved", "alerts": [{**alert, "status": "resolved"}]}
+    assert api.post("/api/v1/alerts/alertmanager", json=resolved, headers=OPERATOR).json()["stored"] == 1
+    events = api.get("/api/v1/alerts", headers=VIEWER).json()
+    assert [(e["alertname"], e["status"]) for e in events] == [("SpecAcceptanceLow", "resolved"), ("SpecAcceptanceLow", "firing")]
+    bad = api.post("/api/v1/alerts/alertmanager", json={"status": "weird", "alerts": []}, headers=OPERATOR)
+    assert bad.status_code == 422 and "status" in bad.text

@@ -1,0 +1,64 @@
+"""Alertmanager webhook receiver: alert notifications become alert events.
+
+Alertmanager re-sends a group's notification on every repeat interval; an
+alert is stored once per (fingerprint, status, startsAt), so repeats are
+idempotent.  (Triggering a draft diagnosis from a firing alert comes with
+the diagnostics job.)
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import insert, select
+
+from spectune.store.models import AlertEvent
+
+from .auth import ERRORS, Operator
+
+router = APIRouter(prefix="/api/v1", tags=["alerts"], responses=ERRORS)
+
+
+class AlertIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: str = Field(pattern="^(firing|resolved)$")
+    labels: dict[str, str]
+    annotations: dict[str, str] = Field(default_factory=dict)
+    startsAt: datetime  # noqa: N815 - Alertmanager's field names
+    endsAt: datetime | None = None  # noqa: N815
+    fingerprint: str = Field(min_length=1, max_length=64)
+
+
+class WebhookIn(BaseModel):
+    """Alertmanager's webhook payload (version 4)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: str = "4"
+    status: str = Field(pattern="^(firing|resolved)$")
+    receiver: str = ""
+    alerts: list[AlertIn] = Field(max_length=1000)
+
+
+@router.post("/alerts/alertmanager")
+def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> dict[str, Any]:
+    stored = 0
+    now = datetime.now(UTC)
+    with request.app.state.db.begin() as conn:
+        for alert in payload.alerts:
+            starts = alert.startsAt if alert.startsAt.tzinfo else alert.startsAt.replace(tzinfo=UTC)
+            seen = conn.execute(select(AlertEvent.id).where(
+                AlertEvent.fingerprint == alert.fingerprint, AlertEvent.status == alert.status,
+                AlertEvent.starts_at == starts)).first()
+            if seen is not None:
+                continue
+            conn.execute(insert(AlertEvent).values(
+                fingerprint=alert.fingerprint, status=alert.status, alertname=alert.labels.get("alertname", "")[:128],
+                labels={**alert.labels, **{f"annotation:{k}": v for k, v in alert.annotations.items()}},
+                starts_at=starts, received_at=now))
+            stored += 1
+    return {"received": len(payload.alerts), "stored": stored}
