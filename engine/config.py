@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
     kv_cache_space_gib: int = Field(default=2, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU")
     seed: int = 0
     instance_id: str = Field(default_factory=socket.gethostname)
+    prompt_sample_rate: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="Fraction of requests whose prompt and completion text ride on the record "
+        "(for draft diagnostics). Off by default: prompts can be sensitive.",
+    )
     initial: RuntimeSettings = Field(default_factory=RuntimeSettings)
     classifier: PromptClassifier = Field(default_factory=PromptClassifier)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -301,6 +302,9 @@ class SpecEngine:
             extra_args={"spectune_class": prompt_class},
         )
         state = _RequestState(arrival=arrival, prompt_tokens=len(ids))
+        if self.config.prompt_sample_rate and random.random() < self.config.prompt_sample_rate:
+            state.sampled_prompt = req.prompt if req.prompt is not None else self._tokenizer.decode(ids)
+            state.completion = []
         self._in_flight += 1
         self._drained.clear()
         self._batches.start(request_id)
@@ -364,6 +368,8 @@ class SpecEngine:
 class _RequestState:
     arrival: float
     prompt_tokens: int
+    sampled_prompt: str | None = None  # set only for requests sampled for diagnostics
+    completion: list[str] | None = None
     first_token: float | None = None
     output_tokens: int = 0
     finish_reason: str | None = None
@@ -374,6 +380,8 @@ class _RequestState:
         if delta.token_ids and self.first_token is None:
             self.first_token = time.time()
         self.output_tokens += len(delta.token_ids)
+        if self.completion is not None:
+            self.completion.append(delta.text)
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
         if getattr(completion, "spec_decode_metrics", None) is not None:
@@ -429,4 +437,6 @@ class _RequestState:
             batch_size_max=batch[1],
             finish_reason=reason or ("error" if self.error else "abort"),
             error=self.error,
+            prompt_text=self.sampled_prompt,
+            completion_text="".join(self.completion) if self.completion is not None else None,
         )

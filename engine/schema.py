@@ -147,6 +147,9 @@ class RequestRecord(BaseModel):
     batch_size_max: int | None = None
     finish_reason: FinishReason
     error: str | None = None
+    # Only on requests sampled for diagnostics (EngineConfig.prompt_sample_rate, off by default).
+    prompt_text: str | None = None
+    completion_text: str | None = None
 
     @property
     def acceptance_rate(self) -> float | None:

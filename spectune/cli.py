@@ -43,6 +43,7 @@ def _engine_config(s: Settings):
         max_num_seqs=s.max_num_seqs,
         kv_cache_space_gib=s.kv_cache_space_gib,
         instance_id=s.instance_id or socket.gethostname(),
+        prompt_sample_rate=s.prompt_sample_rate,
         initial=RuntimeSettings(
             speculation_enabled=s.num_speculative_tokens > 0,
             num_speculative_tokens=min(s.num_speculative_tokens, s.max_speculative_tokens),

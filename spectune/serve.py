@@ -29,7 +29,7 @@ from spectune.settings import Settings
 from spectune.store.db import make_engine, upgrade
 from spectune.store.metrics import RecorderCollector, RequestMetrics
 from spectune.store.recorder import Recorder
-from spectune.store.retention import roll_up
+from spectune.store.retention import expire_prompts, roll_up
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
     collectors = []
     engine = follower = None
     if config is not None:
-        recorder = Recorder(db, settings.spool_dir)
+        recorder = Recorder(db, settings.spool_dir, prompt_retention=timedelta(days=settings.prompt_retention_days))
         metrics = request_metrics()
         sinks: list[RecordSink] = [recorder, metrics]
         if settings.records_path is not None:
@@ -95,6 +95,8 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         roll_up, "interval", seconds=settings.retention_interval_s, args=[db, timedelta(days=settings.retention_days)],
         id="retention", max_instances=1, coalesce=True,
     )
+    scheduler.add_job(expire_prompts, "interval", seconds=settings.retention_interval_s, args=[db],
+                      id="prompt-expiry", max_instances=1, coalesce=True)
     scheduler.start()
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
     app = create_app(engine, db, api_tokens(settings), key, follower)

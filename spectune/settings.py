@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     spool_dir: Path = Path("var/spool")
     records_path: Path | None = Field(default=None, description="Also append records as JSON lines here")
     retention_days: float = Field(default=7.0, gt=0)
+    prompt_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="Opt-in: fraction of prompts kept for diagnostics")
+    prompt_retention_days: float = Field(default=3.0, gt=0)
     retention_interval_s: int = Field(default=600, ge=10)
     openai_api_key: SecretStr | None = None
     api_tokens: dict[str, TokenSpec] = Field(

@@ -71,7 +71,11 @@ def utc(ts: float | None) -> datetime | None:
 
 
 def record_row(fields: dict[str, Any]) -> dict[str, Any]:
-    """RequestRecord fields (as dumped) -> a request_records row (converted in place)."""
+    """RequestRecord fields (as dumped) -> a request_records row (converted in place).
+
+    Sampled prompt text never goes into request_records (see ``sampled_prompt_row``)."""
+    fields.pop("prompt_text", None)
+    fields.pop("completion_text", None)
     for key in ("arrival_time", "first_token_time", "finish_time"):
         fields[key] = utc(fields[key])
     return fields

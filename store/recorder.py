@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from spectune.engine.schema import RequestRecord, StepRecord
 
 from .db import insert_ignoring_duplicates, record_row, utc
-from .models import RequestRecordRow, StepStat
+from .models import RequestRecordRow, SampledPrompt, StepStat
 from .spool import Cursor, Spool
 from .steps import StepAggregator
 
@@ -65,12 +66,14 @@ class Recorder:
         flush_interval: float = 0.1,
         queue_size: int = 100_000,
         max_backoff: float = 5.0,
+        prompt_retention: timedelta = timedelta(days=3),
     ) -> None:
         self.db = db
         self.spool = Spool(spool_dir)
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_backoff = max_backoff
+        self.prompt_retention = prompt_retention
         self.stats = RecorderStats()
         self.writer = uuid.uuid4().hex[:16]
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
@@ -176,13 +179,19 @@ class Recorder:
             time.sleep(self.flush_interval / 2)
 
     def _insert(self, items: list[dict]) -> None:
-        requests, steps = [], []
+        requests, steps, prompts = [], [], []
         for item in items:
             kind = item.pop("kind")
             if kind == "request":
+                if item.get("prompt_text") is not None:
+                    finished = utc(item["finish_time"])
+                    prompts.append(dict(request_id=item["request_id"], prompt_class=item["prompt_class"],
+                                        prompt=item["prompt_text"], completion=item.get("completion_text"),
+                                        created_at=finished, expires_at=finished + self.prompt_retention))
                 requests.append(record_row(item))
             else:
                 item["minute"] = utc(item["minute"])
                 steps.append(item)
         insert_ignoring_duplicates(self.db, RequestRecordRow.__table__, requests)
         insert_ignoring_duplicates(self.db, StepStat.__table__, steps)
+        insert_ignoring_duplicates(self.db, SampledPrompt.__table__, prompts)

@@ -11,7 +11,13 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Engine, and_, delete, select, tuple_
 
-from .models import RequestRecordRow, RequestRollup
+from .models import RequestRecordRow, RequestRollup, SampledPrompt
+
+
+def expire_prompts(db: Engine, now: datetime | None = None) -> int:
+    """Delete sampled prompts past their expiry; returns how many."""
+    with db.begin() as conn:
+        return conn.execute(delete(SampledPrompt).where(SampledPrompt.expires_at < (now or datetime.now(UTC)))).rowcount
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:

@@ -67,6 +67,7 @@ async def test_per_request_metrics_are_consistent(speculative):
     assert len(records) == len(PROMPTS)
     for r in records:
         assert r.finish_reason == "length" and r.error is None
+        assert r.prompt_text is None  # prompt sampling is off by default
         assert r.output_tokens == MAX_TOKENS and r.prompt_tokens > 0
         assert r.prompt_class == "qa" and r.speculation_enabled and r.num_speculative_tokens == N
         assert 0 <= r.num_accepted_tokens <= r.num_draft_tokens

@@ -146,3 +146,27 @@ def test_step_stats_reach_the_database(tmp_path):
         row = conn.execute(select(StepStat)).one()
         assert row.steps == 1 and row.batch_bucket == 2 and row.writer == recorder.writer
         assert row.minute <= datetime.now(UTC)
+
+
+def test_sampled_prompts_go_to_their_own_table_and_expire(tmp_path):
+    from datetime import timedelta
+
+    from spectune.store.models import SampledPrompt
+    from spectune.store.retention import expire_prompts
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    upgrade(url)
+    sampled, plain = make_records(2, prefix="p")
+    sampled = sampled.model_copy(update={"prompt_text": "secret prompt", "completion_text": "answer"})
+    recorder = Recorder(make_engine(url), tmp_path / "spool", prompt_retention=timedelta(hours=1))
+    recorder.submit(sampled)
+    recorder.submit(plain)
+    assert recorder.close()
+    db = make_engine(url)
+    with db.connect() as conn:
+        rows = conn.execute(select(SampledPrompt.__table__)).all()
+    assert [(r.request_id, r.prompt, r.completion) for r in rows] == [(sampled.request_id, "secret prompt", "answer")]
+    assert len(_rows(url)) == 2  # both records, without any prompt text
+    assert expire_prompts(db, now=datetime.now(UTC)) == 0
+    assert expire_prompts(db, now=rows[0].expires_at + timedelta(seconds=1)) == 1
+    db.dispose()

@@ -1,0 +1,86 @@
+"""The decision math: estimators, goodput, and the N choice (pure, property-tested)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spectune.tuner.goodput import choose_n, expected_tokens, fit_cost_ratio, position_acceptance, speedup
+
+alpha = st.floats(0.0, 0.99)
+cost = st.floats(0.0, 1.0)
+n_bounds = st.tuples(st.integers(0, 3), st.integers(3, 8))
+
+
+def test_expected_tokens_matches_the_closed_form():
+    for a in (0.0, 0.3, 0.6, 0.9):
+        for n in range(0, 8):
+            assert expected_tokens([a] * n, n) == pytest.approx((1 - a ** (n + 1)) / (1 - a))
+    assert expected_tokens([1.0] * 5, 5) == 6
+    assert expected_tokens([0.9, 0.5], 4) == pytest.approx(1 + 0.9 + 0.45 + 0.225 + 0.1125)  # last alpha reused
+
+
+def test_position_acceptance_shrinks_small_samples_and_follows_large_ones():
+    few = position_acceptance([2, 2], [2, 2])  # 2 of 2 accepted: not "100 %"
+    assert few.mean[0] == pytest.approx(4 / 6) and few.low[0] < few.mean[0] < few.high[0] <= 1
+    many = position_acceptance([1000, 1000, 1000], [800, 400, 100])
+    assert many.mean[0] == pytest.approx(0.8, abs=0.01)
+    assert many.mean[1] == pytest.approx(0.5, abs=0.01)   # conditional: 400 of the 800 that reached it
+    assert many.mean[2] == pytest.approx(0.25, abs=0.01)
+    assert many.samples == (1000, 800, 400)
+
+
+def test_cost_ratio_fit_and_fallback():
+    assert fit_cost_ratio({0: 0.10, 2: 0.13, 4: 0.16}, fallback=0.5) == pytest.approx(0.15)
+    assert fit_cost_ratio({3: 0.2}, fallback=0.5) == 0.5            # one point: prior
+    assert fit_cost_ratio({1: 0.2, 3: 0.1}, fallback=0.5) == 0.5    # nonsense slope: prior
+
+
+def test_off_when_speculation_does_not_pay():
+    d = choose_n([0.05] * 8, cost_ratio=0.4, current=3, n_min=1, n_max=8)
+    assert d.n == 0 and d.best_n == 0
+    d = choose_n([0.95] * 8, cost_ratio=0.05, current=0, n_min=1, n_max=8)
+    assert d.n == d.best_n >= 5  # back on in one move
+
+
+@given(a=alpha, c=cost, bounds=n_bounds, start=st.integers(0, 8))
+@settings(max_examples=300, deadline=None)
+def test_stationary_inputs_never_oscillate(a, c, bounds, start):
+    n_min, n_max = bounds
+    seen, current = [], start
+    for _ in range(12):
+        current = choose_n([a] * 8, c, current, n_min, n_max).n
+        seen.append(current)
+    settled = seen[-1]
+    assert seen[-4:] == [settled] * 4
+    # once it leaves a value it never comes back to it
+    changes = [x for i, x in enumerate(seen) if i == 0 or x != seen[i - 1]]
+    assert len(changes) == len(set(changes))
+
+
+@given(a1=alpha, a2=alpha, c=cost, bounds=n_bounds)
+@settings(max_examples=300, deadline=None)
+def test_higher_acceptance_never_lowers_the_chosen_n(a1, a2, c, bounds):
+    lo, hi = sorted((a1, a2))
+    n_min, n_max = bounds
+    assert choose_n([lo] * 8, c, 0, n_min, n_max, min_gain=0).best_n <= choose_n([hi] * 8, c, 0, n_min, n_max, min_gain=0).best_n
+
+
+@given(a=alpha, c1=cost, c2=cost, bounds=n_bounds)
+@settings(max_examples=300, deadline=None)
+def test_more_expensive_draft_never_raises_it(a, c1, c2, bounds):
+    cheap, dear = sorted((c1, c2))
+    n_min, n_max = bounds
+    assert choose_n([a] * 8, dear, 0, n_min, n_max, min_gain=0).best_n <= choose_n([a] * 8, cheap, 0, n_min, n_max, min_gain=0).best_n
+
+
+@given(c=cost, current=st.integers(0, 8))
+def test_no_data_keeps_the_policy_n(c, current):
+    assert choose_n(None, c, current, 0, 8).n == current
+    assert choose_n([], c, current, 0, 8).n == current
+
+
+def test_speedup_is_the_leviathan_bound_for_iid_acceptance():
+    a, n, c = 0.7, 3, 0.2
+    assert speedup([a] * n, n, c) == pytest.approx((1 - a ** (n + 1)) / ((1 - a) * (n * c + 1)))
