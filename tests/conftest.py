@@ -122,42 +122,51 @@ class Served:
     db: str
 
 
-@pytest.fixture(scope="session")
-def served(tiny, tmp_path_factory):
-    """`spectune serve` in a subprocess on the tiny models (copy draft, N=3 of 4)."""
+def free_port() -> int:
     import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: float):
+    """Start `spectune serve ARGS` and wait until /readyz says ready; returns (process, base URL)."""
     import subprocess
     import sys
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = tmp_path_factory.mktemp("serve")
-    records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
-    env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32",
-               SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_API_TOKENS=json.dumps(API_TOKENS))
-    cmd = [sys.executable, "-m", "spectune.cli", "serve", "--model", str(tiny["target"]),
-           "--draft-model", str(tiny["copy"]), "-n", "3", "--max-speculative-tokens", "4",
-           "--port", str(port), "--records", str(records), "--db", db]
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spectune.cli", "serve", "--port", str(port), *args],
+                            env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
+    deadline = time.time() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(root / 'server.log').read_text()[-3000:]}")
+            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{base}/readyz", timeout=1).json().get("ready"):
-                break
+            if httpx.get(f"{base}/readyz", timeout=2).json().get("ready"):
+                return proc, base
         except httpx.HTTPError:
             pass
         if time.time() > deadline:
             proc.kill()
-            raise RuntimeError("server did not become ready")
+            raise RuntimeError(f"server did not become ready: {log_path.read_text()[-3000:]}")
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def served(tiny, tmp_path_factory):
+    """`spectune serve` in a subprocess on the tiny models (copy draft, N=3 of 4)."""
+    root = tmp_path_factory.mktemp("serve")
+    records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
+    env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32",
+               SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_API_TOKENS=json.dumps(API_TOKENS))
+    proc, base = spawn_server(["--model", str(tiny["target"]), "--draft-model", str(tiny["copy"]), "-n", "3",
+                               "--max-speculative-tokens", "4", "--records", str(records), "--db", db],
+                              env, root / "server.log", timeout=180)
     yield Served(base, records, db)
     proc.terminate()
     proc.wait(timeout=60)

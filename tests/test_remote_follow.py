@@ -4,7 +4,6 @@ it polls with If-None-Match and applies changes within its poll interval."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -12,7 +11,7 @@ import httpx
 import pytest_asyncio
 import uvicorn
 
-from conftest import running_engine, tiny_config
+from conftest import free_port, running_engine, tiny_config
 from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.control import PolicyFollower
@@ -26,9 +25,7 @@ async def control_plane(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('cp')}/cp.db"
     upgrade(url)
     app = create_app(None, make_engine(url), {"op": TokenSpec(token="op", role=Role.OPERATOR)})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
