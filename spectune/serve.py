@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
@@ -27,6 +27,7 @@ from spectune.engine.core import SpecEngine
 from spectune.engine.sinks import JsonlSink, RecordSink
 from spectune.settings import Settings
 from spectune.store.db import make_engine, upgrade
+from spectune.store.instances import heartbeat
 from spectune.store.metrics import RecorderCollector, RequestMetrics
 from spectune.store.recorder import Recorder
 from spectune.store.retention import expire_prompts, roll_up
@@ -95,6 +96,16 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         roll_up, "interval", seconds=settings.retention_interval_s, args=[db, timedelta(days=settings.retention_days)],
         id="retention", max_instances=1, coalesce=True,
     )
+    if engine is not None:
+        started_at = datetime.now(UTC)
+
+        def beat() -> None:
+            if engine.started:
+                cfg = engine.active_config
+                heartbeat(db, cfg.instance_id, cfg.name, cfg.method, engine.capacity, started_at, engine.degraded_reason)
+
+        scheduler.add_job(beat, "interval", seconds=15, id="heartbeat", max_instances=1, coalesce=True)
+        engine.settings_listeners.append(lambda s, cap: beat())  # also at start and on every change
     scheduler.add_job(expire_prompts, "interval", seconds=settings.retention_interval_s, args=[db],
                       id="prompt-expiry", max_instances=1, coalesce=True)
     scheduler.start()

@@ -61,3 +61,10 @@ def test_metrics_move_with_requests(served):
         rows = conn.execute(select(RequestRecordRow.output_tokens, RequestRecordRow.num_accepted_tokens)).all()
     db.dispose()
     assert sum(1 for r in rows if r.output_tokens == 9) >= 3
+    from spectune.store.models import EngineInstance
+
+    db = make_engine(served.db)
+    with db.connect() as conn:
+        (instance,) = conn.execute(select(EngineInstance.__table__)).all()
+    db.dispose()
+    assert instance.method == "draft_model" and instance.capacity == 4 and instance.degraded_reason is None
