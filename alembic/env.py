@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from alembic import context
 from sqlalchemy import pool
 
+from alembic import context
 from spectune.store.db import make_engine
 from spectune.store.models import Base
 

@@ -24,12 +24,12 @@ from sqlalchemy import func, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from pgserver import PgServer, available  # noqa: E402
-from records import make_records  # noqa: E402
+from spectune.store.db import make_engine, upgrade
+from spectune.store.models import RequestRecordRow
+from spectune.store.recorder import Recorder
 
-from spectune.store.db import make_engine, upgrade  # noqa: E402
-from spectune.store.models import RequestRecordRow  # noqa: E402
-from spectune.store.recorder import Recorder  # noqa: E402
+from pgserver import PgServer, available
+from records import make_records
 
 
 def ingest_rate(url: str, n: int, spool: Path) -> float:
@@ -50,10 +50,10 @@ def ingest_rate(url: str, n: int, spool: Path) -> float:
 
 async def engine_rate(sinks_on: bool, tiny: dict, rounds: int, root: Path) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from conftest import complete, tiny_config
-
     from spectune.engine.core import SpecEngine
     from spectune.serve import request_metrics
+
+    from conftest import complete, tiny_config
 
     sinks = []
     if sinks_on:
@@ -67,7 +67,9 @@ async def engine_rate(sinks_on: bool, tiny: dict, rounds: int, root: Path) -> fl
         rates = []
         for _ in range(rounds):
             start = time.perf_counter()
-            outs = await asyncio.gather(*[complete(engine, f"the model {i}", 32, temperature=0.0, ignore_eos=True) for i in range(64)])
+            outs = await asyncio.gather(
+                *[complete(engine, f"the model {i}", 32, temperature=0.0, ignore_eos=True) for i in range(64)]
+            )
             rates.append(sum(len(ids) for _, ids, _ in outs) / (time.perf_counter() - start))
         return statistics.median(rates)
     finally:
@@ -100,13 +102,19 @@ async def main(n: int, rounds: int, out: Path | None) -> None:
         r_on, r_off = statistics.median(on), statistics.median(off)
         overhead = (r_off - r_on) / r_off * 100
         console.print(f"engine tokens/s: recorder off {r_off:.0f}, on {r_on:.0f} (overhead {overhead:+.1f} %)")
-    text = "\n".join([
-        f"Recorder ingest, {n:,} records (submit -> spool -> database, until every row is in):", "",
-        "| store | records/s |", "|---|---|", *lines, "",
-        f"Engine throughput on the tiny models (copy draft, N=3, 64 concurrent requests x 32 tokens, "
-        f"median of {2 * rounds} runs per arm): recorder+metrics off {r_off:.0f} tokens/s, on {r_on:.0f} tokens/s, "
-        f"overhead {overhead:+.1f} %.",
-    ])
+    text = "\n".join(
+        [
+            f"Recorder ingest, {n:,} records (submit -> spool -> database, until every row is in):",
+            "",
+            "| store | records/s |",
+            "|---|---|",
+            *lines,
+            "",
+            f"Engine throughput on the tiny models (copy draft, N=3, 64 concurrent requests x 32 tokens, "
+            f"median of {2 * rounds} runs per arm): recorder+metrics off {r_off:.0f} tokens/s, on {r_on:.0f} tokens/s, "
+            f"overhead {overhead:+.1f} %.",
+        ]
+    )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")

@@ -73,8 +73,9 @@ async def measure(engine: SpecEngine, sink: MemorySink, batch: int, temperature:
         start = time.perf_counter()
 
         async def one(kind: str, i: int) -> None:
-            req = GenerationRequest(prompt=PROMPTS[kind], max_tokens=max_tokens, temperature=temperature,
-                                    seed=1234 + i, ignore_eos=True)
+            req = GenerationRequest(
+                prompt=PROMPTS[kind], max_tokens=max_tokens, temperature=temperature, seed=1234 + i, ignore_eos=True
+            )
             async for _ in engine.generate(req):
                 pass
 
@@ -88,9 +89,18 @@ async def measure(engine: SpecEngine, sink: MemorySink, batch: int, temperature:
 
 
 def config(model: str, method: str, draft: str | None = None) -> EngineConfig:
-    return EngineConfig(model=model, method=method, draft_model=draft, num_speculative_tokens=max(NS),
-                        dtype="bfloat16", max_model_len=1024, max_num_seqs=8, kv_cache_space_gib=4,
-                        instance_id="bench", initial=RuntimeSettings(num_speculative_tokens=max(NS)))
+    return EngineConfig(
+        model=model,
+        method=method,
+        draft_model=draft,
+        num_speculative_tokens=max(NS),
+        dtype="bfloat16",
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_space_gib=4,
+        instance_id="bench",
+        initial=RuntimeSettings(num_speculative_tokens=max(NS)),
+    )
 
 
 async def run_engine(cfg: EngineConfig, ns: tuple[int, ...], max_tokens: int, console: Console) -> dict:
@@ -123,7 +133,9 @@ async def main(max_tokens: int, out: Path | None) -> None:
     ngram = await run_engine(config(pair["target"], "ngram"), NS, max_tokens, console)
     draft = await run_engine(config(pair["target"], "draft_model", pair["draft"]), NS, max_tokens, console)
 
-    table = Table(title=f"Speculation vs off, Qwen2.5-Coder 1.5B (draft 0.5B), bf16, {max_tokens} tokens/request, c={c:.2f}")
+    table = Table(
+        title=f"Speculation vs off, Qwen2.5-Coder 1.5B (draft 0.5B), bf16, {max_tokens} tokens/request, c={c:.2f}"
+    )
     for col in ("method", "N", "batch", "T", "tok/s", "speedup", "alpha", "bound"):
         table.add_column(col, justify="right")
     rows = []
@@ -134,17 +146,35 @@ async def main(max_tokens: int, out: Path | None) -> None:
             for name, res, cost in (("ngram", ngram, 0.0), ("draft", draft, c)):
                 for n in NS:
                     cell = res[(n, batch, temp)]
-                    rows.append((name, n, batch, temp, cell.tok_s, cell.tok_s / base.tok_s, cell.alpha, leviathan(cell.alpha, n, cost)))
+                    rows.append(
+                        (
+                            name,
+                            n,
+                            batch,
+                            temp,
+                            cell.tok_s,
+                            cell.tok_s / base.tok_s,
+                            cell.alpha,
+                            leviathan(cell.alpha, n, cost),
+                        )
+                    )
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for name, n, batch, temp, tps, speed, alpha, bound in rows:
         table.add_row(name, str(n), str(batch), str(temp), f"{tps:.2f}", f"{speed:.2f}x", fmt(alpha), fmt(bound))
     console.print(table)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        lines = [f"Measured cost ratio c = {c:.3f} (draft alone {draft_alone[(0, 1, 0.0)].tok_s:.2f} tok/s, "
-                 f"target alone {off[(0, 1, 0.0)].tok_s:.2f} tok/s, batch 1 greedy).", "",
-                 "| method | N | batch | T | tok/s | speedup | alpha | Leviathan bound |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.2f} | {r[5]:.2f}x | {fmt(r[6])} | {fmt(r[7])} |" for r in rows]
+        lines = [
+            f"Measured cost ratio c = {c:.3f} (draft alone {draft_alone[(0, 1, 0.0)].tok_s:.2f} tok/s, "
+            f"target alone {off[(0, 1, 0.0)].tok_s:.2f} tok/s, batch 1 greedy).",
+            "",
+            "| method | N | batch | T | tok/s | speedup | alpha | Leviathan bound |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.2f} | {r[5]:.2f}x | {fmt(r[6])} | {fmt(r[7])} |"
+            for r in rows
+        ]
         out.write_text("\n".join(lines) + "\n")
         console.print(f"written {out}")
 

@@ -57,15 +57,11 @@ class PromptClassifier(BaseModel):
         default_factory=lambda: [LengthRule(max_prompt_tokens=30, prompt_class="qa")]
     )
     default_class: str = Field(default="long", pattern=CLASS_NAME)
-    extra_classes: list[str] = Field(
-        default_factory=list, description="Classes only reachable by explicit choice"
-    )
+    extra_classes: list[str] = Field(default_factory=list, description="Classes only reachable by explicit choice")
 
     @model_validator(mode="after")
     def _sorted(self) -> PromptClassifier:
-        object.__setattr__(
-            self, "length_rules", sorted(self.length_rules, key=lambda r: r.max_prompt_tokens)
-        )
+        object.__setattr__(self, "length_rules", sorted(self.length_rules, key=lambda r: r.max_prompt_tokens))
         return self
 
     @cached_property

@@ -44,7 +44,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     instance_id: str = Field(default_factory=socket.gethostname)
     prompt_sample_rate: float = Field(
-        default=0.0, ge=0.0, le=1.0,
+        default=0.0,
+        ge=0.0,
+        le=1.0,
         description="Fraction of requests whose prompt and completion text ride on the record "
         "(for draft diagnostics). Off by default: prompts can be sensitive.",
     )
@@ -92,9 +94,7 @@ def parse_batch_table(spec: str) -> list[BatchRange]:
         try:
             span, n = part.split(":")
             lo, _, hi = span.partition("-")
-            table.append(
-                BatchRange(min_batch=int(lo), max_batch=int(hi or lo), num_speculative_tokens=int(n))
-            )
+            table.append(BatchRange(min_batch=int(lo), max_batch=int(hi or lo), num_speculative_tokens=int(n)))
         except ValueError as exc:
             raise ValueError(f"bad batch range {part!r}: expected MIN-MAX:N ({exc})") from exc
     return table

@@ -184,11 +184,7 @@ class SpecEngine:
             for n in [settings.num_speculative_tokens]
             + [c.num_speculative_tokens or 0 for c in settings.classes.values()]
             + [r.num_speculative_tokens for r in settings.batch_table or ()]
-            + [
-                r.num_speculative_tokens
-                for c in settings.classes.values()
-                for r in c.batch_table or ()
-            ]
+            + [r.num_speculative_tokens for c in settings.classes.values() for r in c.batch_table or ()]
             if n > self.config.num_speculative_tokens
         ]
         if too_big:
@@ -203,9 +199,7 @@ class SpecEngine:
     async def _push_settings(self, settings: RuntimeSettings) -> None:
         if self._llm is None:
             return
-        await self._llm.engine_core.call_utility_async(
-            "spectune_apply", settings.model_dump(mode="json")
-        )
+        await self._llm.engine_core.call_utility_async("spectune_apply", settings.model_dump(mode="json"))
         for listener in self.settings_listeners:
             listener(settings, self.capacity)
 
@@ -240,9 +234,7 @@ class SpecEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if self._tokenizer is None:
             raise EngineUnavailableError("engine is not running")
-        return self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def _validate(self, req: GenerationRequest) -> tuple[list[int], int]:
         limit = self.config.max_model_len
@@ -254,8 +246,7 @@ class SpecEngine:
             # Reject absurd prompts before paying for tokenization.
             if len(req.prompt) > limit * 32:
                 raise InvalidRequestError(
-                    f"prompt of {len(req.prompt)} characters exceeds the model's "
-                    f"context of {limit} tokens",
+                    f"prompt of {len(req.prompt)} characters exceeds the model's context of {limit} tokens",
                     param="prompt",
                     code="context_length_exceeded",
                 )

@@ -133,11 +133,16 @@ def build_router(engine: SpecEngine, api_key: str | None = None) -> APIRouter:
     def check_model(name: str) -> None:
         if name != engine.config.name:
             raise OpenAIError(
-                404, f"the model '{name}' does not exist; served: {engine.config.name}",
-                "invalid_request_error", "model", "model_not_found",
+                404,
+                f"the model '{name}' does not exist; served: {engine.config.name}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
             )
 
-    def to_generation(body: _SamplingFields, prompt: str | list[int], max_tokens: int | None, header_class: str | None) -> GenerationRequest:
+    def to_generation(
+        body: _SamplingFields, prompt: str | list[int], max_tokens: int | None, header_class: str | None
+    ) -> GenerationRequest:
         is_ids = isinstance(prompt, list)
         # OpenAI's defaults: 16 tokens for completions, the rest of the context for chat.
         default_max = 16 if isinstance(body, CompletionRequest) else None
@@ -184,7 +189,7 @@ def build_router(engine: SpecEngine, api_key: str | None = None) -> APIRouter:
                 while delta is not None:
                     yield f"data: {json.dumps(chunk(delta))}\n\n"
                     delta = await anext(stream, None)
-            except Exception as exc:  # noqa: BLE001 - the status line is already sent
+            except Exception as exc:
                 yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n"
             finally:
                 await stream.aclose()
@@ -207,7 +212,10 @@ def build_router(engine: SpecEngine, api_key: str | None = None) -> APIRouter:
 
         def chunk(delta: Delta) -> dict:
             return {
-                "id": rid, "object": "text_completion", "created": created, "model": body.model,
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
                 "choices": [{"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}],
             }
 
@@ -215,7 +223,10 @@ def build_router(engine: SpecEngine, api_key: str | None = None) -> APIRouter:
             return sse(first, stream, chunk)
         text, tokens, prompt_tokens, reason = await collect(first, stream)
         return {
-            "id": rid, "object": "text_completion", "created": created, "model": body.model,
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
             "usage": _usage(prompt_tokens, tokens),
         }
@@ -234,7 +245,10 @@ def build_router(engine: SpecEngine, api_key: str | None = None) -> APIRouter:
             message = {"content": delta.text} if sent_role else {"role": "assistant", "content": delta.text}
             sent_role = True
             return {
-                "id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
                 "choices": [{"index": 0, "delta": message, "finish_reason": delta.finish_reason}],
             }
 
@@ -242,7 +256,10 @@ def build_router(engine: SpecEngine, api_key: str | None = None) -> APIRouter:
             return sse(first, stream, chunk)
         text, tokens, prompt_tokens, reason = await collect(first, stream)
         return {
-            "id": rid, "object": "chat.completion", "created": created, "model": body.model,
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}],
             "usage": _usage(prompt_tokens, tokens),
         }

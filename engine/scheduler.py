@@ -91,8 +91,7 @@ class SpectuneScheduler(Scheduler):
         active = classes or frozenset({DEFAULT_CLASS})
         # Index 0 unused: vLLM indexes the lookup by batch size directly.
         self.dynamic_sd_lookup = [0] + [
-            max(settings.n_for(c, b, cap) for c in active)
-            for b in range(1, self.max_num_running_reqs + 1)
+            max(settings.n_for(c, b, cap) for c in active) for b in range(1, self.max_num_running_reqs + 1)
         ]
         self._lookup_key = key
 

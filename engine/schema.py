@@ -15,6 +15,7 @@ objects across.
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -34,17 +35,15 @@ class BatchRange(BaseModel):
     @model_validator(mode="after")
     def _ordered(self) -> BatchRange:
         if self.max_batch < self.min_batch:
-            raise ValueError(
-                f"max_batch ({self.max_batch}) must be >= min_batch ({self.min_batch})"
-            )
+            raise ValueError(f"max_batch ({self.max_batch}) must be >= min_batch ({self.min_batch})")
         return self
 
 
-def _check_table(table: list[BatchRange] | None) -> list[BatchRange] | None:
+def check_batch_table(table: list[BatchRange] | None) -> list[BatchRange] | None:
     if not table:
         return table
     ordered = sorted(table, key=lambda r: r.min_batch)
-    for before, after in zip(ordered, ordered[1:]):
+    for before, after in itertools.pairwise(ordered):
         if after.min_batch <= before.max_batch:
             raise ValueError(
                 f"batch ranges overlap: [{before.min_batch},{before.max_batch}] and "
@@ -64,7 +63,7 @@ class ClassSettings(BaseModel):
 
     @model_validator(mode="after")
     def _table(self) -> ClassSettings:
-        _check_table(self.batch_table)
+        check_batch_table(self.batch_table)
         return self
 
 
@@ -86,7 +85,7 @@ class RuntimeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _table(self) -> RuntimeSettings:
-        _check_table(self.batch_table)
+        check_batch_table(self.batch_table)
         return self
 
     def n_for(self, prompt_class: str, batch_size: int, capacity: int) -> int:
@@ -130,9 +129,7 @@ class RequestRecord(BaseModel):
     prompt_tokens: int = Field(ge=0)
     output_tokens: int = Field(ge=0)
     ttft_s: float | None = Field(default=None, description="Arrival to first output token")
-    tpot_s: float | None = Field(
-        default=None, description="Mean time per output token after the first"
-    )
+    tpot_s: float | None = Field(default=None, description="Mean time per output token after the first")
     e2e_s: float = Field(ge=0)
     speculation_method: Literal["none", "ngram", "draft_model"]
     speculation_enabled: bool = Field(description="N in effect > 0 when the request was admitted")

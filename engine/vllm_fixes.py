@@ -26,7 +26,7 @@ EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 STOCK_EXPAND_KERNEL = None
 
 
-def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803 - Triton launch signature
+def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     """output[cu[i-1]:cu[i]] = input_val[i] (replace_from -> replace_to), any dtype."""
     import torch
 

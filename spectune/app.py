@@ -63,8 +63,12 @@ def create_app(
         if control is not None:
             control.check(doc)
 
-    app = FastAPI(title="spectune", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible serving with speculative decoding, and its control plane.")
+    app = FastAPI(
+        title="spectune",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible serving with speculative decoding, and its control plane.",
+    )
     app.state.db = db
     app.state.policies = repo
     app.state.api_tokens = api_tokens

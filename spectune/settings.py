@@ -26,19 +26,26 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(default=16, ge=1)
     kv_cache_space_gib: int = Field(default=2, ge=1)
     instance_id: str | None = None
-    db: str = Field(default="sqlite:///var/spectune.db", description="SQLAlchemy URL; postgresql+psycopg://... in production")
+    db: str = Field(
+        default="sqlite:///var/spectune.db", description="SQLAlchemy URL; postgresql+psycopg://... in production"
+    )
     spool_dir: Path = Path("var/spool")
     records_path: Path | None = Field(default=None, description="Also append records as JSON lines here")
     retention_days: float = Field(default=7.0, gt=0)
-    prompt_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="Opt-in: fraction of prompts kept for diagnostics")
+    prompt_sample_rate: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Opt-in: fraction of prompts kept for diagnostics"
+    )
     prompt_retention_days: float = Field(default=3.0, gt=0)
     retention_interval_s: int = Field(default=600, ge=10)
     openai_api_key: SecretStr | None = None
     api_tokens: dict[str, TokenSpec] = Field(
         default_factory=dict,
-        description='JSON {"name": {"token": "...", "role": "viewer|operator"}}; none: a local operator token is generated',
+        description='JSON {"name": {"token": "...", "role": "viewer|operator"}}; '
+        "none: a local operator token is generated",
     )
     token_file: Path = Path("var/api-token")
     no_engine: bool = False
-    control_plane_url: str | None = Field(default=None, description="Follow this control plane's policy instead of the local one")
+    control_plane_url: str | None = Field(
+        default=None, description="Follow this control plane's policy instead of the local one"
+    )
     control_plane_token: SecretStr | None = None

@@ -100,4 +100,4 @@ def insert_records(engine: Engine, records: Iterable[RequestRecord]) -> None:
     insert_ignoring_duplicates(engine, RequestRecordRow.__table__, [record_row(r.model_dump()) for r in records])
 
 
-__all__ = ["Base", "make_engine", "upgrade", "downgrade", "insert_records", "insert_ignoring_duplicates"]
+__all__ = ["Base", "downgrade", "insert_ignoring_duplicates", "insert_records", "make_engine", "upgrade"]

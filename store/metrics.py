@@ -48,38 +48,54 @@ class RequestMetrics:
     """A RecordSink that turns request records into Prometheus series."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.requests = Counter(
-            "spectune_requests", "Finished requests", ["class", "speculation"], registry=registry
-        )
+        self.requests = Counter("spectune_requests", "Finished requests", ["class", "speculation"], registry=registry)
         self.failures = Counter(
             "spectune_request_failures", "Requests that ended in error or abort", ["class", "reason"], registry=registry
         )
         self.output_tokens = Counter("spectune_output_tokens", "Generated tokens", ["class"], registry=registry)
         self.draft_tokens = Counter("spectune_draft_tokens", "Draft tokens proposed", ["class"], registry=registry)
-        self.accepted_tokens = Counter("spectune_accepted_tokens", "Draft tokens accepted", ["class"], registry=registry)
+        self.accepted_tokens = Counter(
+            "spectune_accepted_tokens", "Draft tokens accepted", ["class"], registry=registry
+        )
         self.accepted_per_position = Counter(
-            "spectune_accepted_tokens_per_position", "Draft tokens accepted at each draft position",
-            ["class", "position"], registry=registry,
+            "spectune_accepted_tokens_per_position",
+            "Draft tokens accepted at each draft position",
+            ["class", "position"],
+            registry=registry,
         )
         self.drafted_per_position = Counter(
-            "spectune_draft_tokens_per_position", "Draft tokens proposed at each draft position",
-            ["class", "position"], registry=registry,
+            "spectune_draft_tokens_per_position",
+            "Draft tokens proposed at each draft position",
+            ["class", "position"],
+            registry=registry,
         )
         self.ttft = Histogram(
-            "spectune_time_to_first_token_seconds", "Arrival to first token", ["class"],
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "spectune_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["class"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.tpot = Histogram(
-            "spectune_time_per_output_token_seconds", "Mean time per output token after the first", ["class"],
-            buckets=TOKEN_BUCKETS, registry=registry,
+            "spectune_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            ["class"],
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
         )
         self.e2e = Histogram(
-            "spectune_e2e_request_latency_seconds", "Arrival to last token", ["class"],
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "spectune_e2e_request_latency_seconds",
+            "Arrival to last token",
+            ["class"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.acceptance = Histogram(
-            "spectune_request_acceptance_rate", "Accepted / drafted per request (requests with drafts)",
-            ["class"], buckets=RATE_BUCKETS, registry=registry,
+            "spectune_request_acceptance_rate",
+            "Accepted / drafted per request (requests with drafts)",
+            ["class"],
+            buckets=RATE_BUCKETS,
+            registry=registry,
         )
         self.n_in_force = Gauge(
             "spectune_speculative_tokens", "N in force per class (batch size 1)", ["class"], registry=registry
@@ -95,10 +111,15 @@ class RequestMetrics:
         series = self._by_class.get(cls)
         if series is None:
             series = self._by_class[cls] = _ClassSeries(
-                on=self.requests.labels(cls, "on"), off=self.requests.labels(cls, "off"),
-                output=self.output_tokens.labels(cls), drafted=self.draft_tokens.labels(cls),
-                accepted=self.accepted_tokens.labels(cls), rate=self.acceptance.labels(cls),
-                ttft=self.ttft.labels(cls), tpot=self.tpot.labels(cls), e2e=self.e2e.labels(cls),
+                on=self.requests.labels(cls, "on"),
+                off=self.requests.labels(cls, "off"),
+                output=self.output_tokens.labels(cls),
+                drafted=self.draft_tokens.labels(cls),
+                accepted=self.accepted_tokens.labels(cls),
+                rate=self.acceptance.labels(cls),
+                ttft=self.ttft.labels(cls),
+                tpot=self.tpot.labels(cls),
+                e2e=self.e2e.labels(cls),
             )
         return series
 
@@ -117,7 +138,9 @@ class RequestMetrics:
                 if drafted:
                     while len(c.positions) <= pos:
                         k = str(len(c.positions))
-                        c.positions.append((self.drafted_per_position.labels(cls, k), self.accepted_per_position.labels(cls, k)))
+                        c.positions.append(
+                            (self.drafted_per_position.labels(cls, k), self.accepted_per_position.labels(cls, k))
+                        )
                     c.positions[pos][0].inc(drafted)
                     c.positions[pos][1].inc(accepted)
         if r.ttft_s is not None:
@@ -154,5 +177,7 @@ class RecorderCollector:
             ("spectune_database_errors", "Failed database writes (retried from the spool)", s.db_errors),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily("spectune_database_up", "1 when the last database write succeeded", value=1 if s.db_up else 0)
+        yield GaugeMetricFamily(
+            "spectune_database_up", "1 when the last database write succeeded", value=1 if s.db_up else 0
+        )
         yield GaugeMetricFamily("spectune_spool_bytes", "Bytes in the spool not yet deleted", value=self._spool_bytes())

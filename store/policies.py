@@ -67,9 +67,19 @@ class PolicyRepository:
         now = datetime.now(UTC)
         with self.db.begin() as conn:
             conn.execute(insert(Policy).values(scope=SCOPE, version=1, body=body, updated_at=now, updated_by=actor))
-            conn.execute(insert(PolicyVersion).values(scope=SCOPE, version=1, body=body, created_at=now, created_by=actor))
-            conn.execute(insert(AuditEntry).values(at=now, actor=actor, action="create", scope=SCOPE,
-                                                   reason="initial policy", diff={"changes": json_diff({}, body)}))
+            conn.execute(
+                insert(PolicyVersion).values(scope=SCOPE, version=1, body=body, created_at=now, created_by=actor)
+            )
+            conn.execute(
+                insert(AuditEntry).values(
+                    at=now,
+                    actor=actor,
+                    action="create",
+                    scope=SCOPE,
+                    reason="initial policy",
+                    diff={"changes": json_diff({}, body)},
+                )
+            )
         return Versioned(1, body, now, actor)
 
     def write(self, body: dict[str, Any], expected: int, actor: str, reason: str | None, action: str) -> Versioned:
@@ -77,31 +87,51 @@ class PolicyRepository:
         with self.db.begin() as conn:
             old = conn.execute(select(Policy.__table__).where(Policy.scope == SCOPE)).one()
             result = conn.execute(
-                update(Policy).where(Policy.scope == SCOPE, Policy.version == expected)
+                update(Policy)
+                .where(Policy.scope == SCOPE, Policy.version == expected)
                 .values(version=expected + 1, body=body, updated_at=now, updated_by=actor)
             )
             if result.rowcount != 1:
                 raise StaleVersionError(old.version)
-            conn.execute(insert(PolicyVersion).values(scope=SCOPE, version=expected + 1, body=body,
-                                                      created_at=now, created_by=actor))
-            conn.execute(insert(AuditEntry).values(at=now, actor=actor, action=action, scope=SCOPE, reason=reason,
-                                                   diff={"from_version": expected, "to_version": expected + 1,
-                                                         "changes": json_diff(old.body, body)}))
+            conn.execute(
+                insert(PolicyVersion).values(
+                    scope=SCOPE, version=expected + 1, body=body, created_at=now, created_by=actor
+                )
+            )
+            conn.execute(
+                insert(AuditEntry).values(
+                    at=now,
+                    actor=actor,
+                    action=action,
+                    scope=SCOPE,
+                    reason=reason,
+                    diff={"from_version": expected, "to_version": expected + 1, "changes": json_diff(old.body, body)},
+                )
+            )
         return Versioned(expected + 1, body, now, actor)
 
     def versions(self, limit: int, offset: int) -> list[Versioned]:
         with self.db.connect() as conn:
             rows = conn.execute(
-                select(PolicyVersion.__table__).where(PolicyVersion.scope == SCOPE)
-                .order_by(PolicyVersion.version.desc()).limit(limit).offset(offset)
+                select(PolicyVersion.__table__)
+                .where(PolicyVersion.scope == SCOPE)
+                .order_by(PolicyVersion.version.desc())
+                .limit(limit)
+                .offset(offset)
             ).all()
         return [Versioned(r.version, r.body, r.created_at, r.created_by) for r in rows]
 
     def version(self, number: int) -> Versioned | None:
         with self.db.connect() as conn:
-            r = conn.execute(select(PolicyVersion.__table__).where(PolicyVersion.scope == SCOPE, PolicyVersion.version == number)).first()
+            r = conn.execute(
+                select(PolicyVersion.__table__).where(PolicyVersion.scope == SCOPE, PolicyVersion.version == number)
+            ).first()
         return None if r is None else Versioned(r.version, r.body, r.created_at, r.created_by)
 
     def audit(self, limit: int, offset: int) -> list[Any]:
         with self.db.connect() as conn:
-            return list(conn.execute(select(AuditEntry.__table__).order_by(AuditEntry.id.desc()).limit(limit).offset(offset)).all())
+            return list(
+                conn.execute(
+                    select(AuditEntry.__table__).order_by(AuditEntry.id.desc()).limit(limit).offset(offset)
+                ).all()
+            )

@@ -149,7 +149,7 @@ class Recorder:
             if items:
                 try:
                     self._insert(items)
-                except Exception as exc:  # noqa: BLE001 - the shipper must outlive any error
+                except Exception as exc:
                     self.stats.db_errors += 1
                     if not isinstance(exc, (OperationalError, DBAPIError)):
                         log.exception("recorder could not write a batch; retrying from the spool")
@@ -185,9 +185,16 @@ class Recorder:
             if kind == "request":
                 if item.get("prompt_text") is not None:
                     finished = utc(item["finish_time"])
-                    prompts.append(dict(request_id=item["request_id"], prompt_class=item["prompt_class"],
-                                        prompt=item["prompt_text"], completion=item.get("completion_text"),
-                                        created_at=finished, expires_at=finished + self.prompt_retention))
+                    prompts.append(
+                        dict(
+                            request_id=item["request_id"],
+                            prompt_class=item["prompt_class"],
+                            prompt=item["prompt_text"],
+                            completion=item.get("completion_text"),
+                            created_at=finished,
+                            expires_at=finished + self.prompt_retention,
+                        )
+                    )
                 requests.append(record_row(item))
             else:
                 item["minute"] = utc(item["minute"])

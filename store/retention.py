@@ -31,16 +31,32 @@ def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chun
     total = 0
     while True:
         with db.begin() as conn:
-            rows = conn.execute(
-                select(RequestRecordRow.__table__).where(RequestRecordRow.finish_time < cutoff)
-                .order_by(RequestRecordRow.finish_time).limit(chunk)
-            ).mappings().all()
+            rows = (
+                conn.execute(
+                    select(RequestRecordRow.__table__)
+                    .where(RequestRecordRow.finish_time < cutoff)
+                    .order_by(RequestRecordRow.finish_time)
+                    .limit(chunk)
+                )
+                .mappings()
+                .all()
+            )
             if not rows:
                 return total
-            groups: dict[tuple, dict] = defaultdict(lambda: dict(
-                requests=0, errors=0, output_tokens=0, num_spec_steps=0, num_draft_tokens=0,
-                num_accepted_tokens=0, drafted_per_position=[], accepted_per_position=[],
-                ttft_s_sum=0.0, e2e_s_sum=0.0))
+            groups: dict[tuple, dict] = defaultdict(
+                lambda: dict(
+                    requests=0,
+                    errors=0,
+                    output_tokens=0,
+                    num_spec_steps=0,
+                    num_draft_tokens=0,
+                    num_accepted_tokens=0,
+                    drafted_per_position=[],
+                    accepted_per_position=[],
+                    ttft_s_sum=0.0,
+                    e2e_s_sum=0.0,
+                )
+            )
             for r in rows:
                 minute = r["finish_time"].replace(second=0, microsecond=0)
                 g = groups[(r["instance_id"], r["prompt_class"], r["num_speculative_tokens"], minute)]
@@ -52,8 +68,12 @@ def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chun
                 g["accepted_per_position"] = _add_lists(g["accepted_per_position"], r["accepted_per_position"])
                 g["ttft_s_sum"] += r["ttft_s"] or 0.0
                 g["e2e_s_sum"] += r["e2e_s"]
-            key_cols = (RequestRollup.instance_id, RequestRollup.prompt_class,
-                        RequestRollup.num_speculative_tokens, RequestRollup.minute)
+            key_cols = (
+                RequestRollup.instance_id,
+                RequestRollup.prompt_class,
+                RequestRollup.num_speculative_tokens,
+                RequestRollup.minute,
+            )
             existing = {
                 (e.instance_id, e.prompt_class, e.num_speculative_tokens, e.minute): e
                 for e in conn.execute(select(RequestRollup.__table__).where(tuple_(*key_cols).in_(list(groups)))).all()
@@ -61,14 +81,21 @@ def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chun
             for key, g in groups.items():
                 old = existing.get(key)
                 if old is None:
-                    conn.execute(RequestRollup.__table__.insert().values(
-                        instance_id=key[0], prompt_class=key[1], num_speculative_tokens=key[2], minute=key[3], **g))
+                    conn.execute(
+                        RequestRollup.__table__.insert().values(
+                            instance_id=key[0], prompt_class=key[1], num_speculative_tokens=key[2], minute=key[3], **g
+                        )
+                    )
                     continue
                 merged = {k: getattr(old, k) + v for k, v in g.items() if not k.endswith("_position")}
                 merged["drafted_per_position"] = _add_lists(old.drafted_per_position, g["drafted_per_position"])
                 merged["accepted_per_position"] = _add_lists(old.accepted_per_position, g["accepted_per_position"])
-                conn.execute(RequestRollup.__table__.update().where(and_(*(c == v for c, v in zip(key_cols, key))))
-                             .values(**merged))
-            conn.execute(delete(RequestRecordRow).where(
-                RequestRecordRow.request_id.in_([r["request_id"] for r in rows])))
+                conn.execute(
+                    RequestRollup.__table__.update()
+                    .where(and_(*(c == v for c, v in zip(key_cols, key))))
+                    .values(**merged)
+                )
+            conn.execute(
+                delete(RequestRecordRow).where(RequestRecordRow.request_id.in_([r["request_id"] for r in rows]))
+            )
             total += len(rows)

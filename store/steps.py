@@ -68,10 +68,20 @@ class StepAggregator:
         for (instance, minute, bucket, n), acc in closed:
             times = sorted(acc.times)
             rows.append(
-                dict(instance_id=instance, minute=float(minute), batch_bucket=bucket, num_speculative_tokens=n,
-                     steps=len(times), step_time_sum_s=sum(times), step_time_p50_s=percentile(times, 0.5),
-                     step_time_p95_s=percentile(times, 0.95), batch_size_sum=acc.batch_sum,
-                     scheduled_tokens=acc.tokens, num_draft_tokens=acc.drafted,
-                     num_accepted_tokens=acc.accepted, accepted_per_position=acc.accepted_per_position)
+                dict(
+                    instance_id=instance,
+                    minute=float(minute),
+                    batch_bucket=bucket,
+                    num_speculative_tokens=n,
+                    steps=len(times),
+                    step_time_sum_s=sum(times),
+                    step_time_p50_s=percentile(times, 0.5),
+                    step_time_p95_s=percentile(times, 0.95),
+                    batch_size_sum=acc.batch_sum,
+                    scheduled_tokens=acc.tokens,
+                    num_draft_tokens=acc.drafted,
+                    num_accepted_tokens=acc.accepted,
+                    accepted_per_position=acc.accepted_per_position,
+                )
             )
         return rows

@@ -29,7 +29,9 @@ def tiny() -> dict[str, Path]:
     return make_family(MODEL_CACHE)
 
 
-def tiny_config(tiny: dict[str, Path], method: str = "draft_model", draft: str = "copy", n: int = 4, **kw) -> EngineConfig:
+def tiny_config(
+    tiny: dict[str, Path], method: str = "draft_model", draft: str = "copy", n: int = 4, **kw
+) -> EngineConfig:
     return EngineConfig(
         model=str(tiny["target"]),
         method=method,
@@ -110,7 +112,10 @@ def db_url(request, tmp_path):
     return server.url
 
 
-API_TOKENS = {"vic": {"token": "viewer-token", "role": "viewer"}, "ola": {"token": "operator-token", "role": "operator"}}
+API_TOKENS = {
+    "vic": {"token": "viewer-token", "role": "viewer"},
+    "ola": {"token": "operator-token", "role": "operator"},
+}
 VIEWER = {"Authorization": "Bearer viewer-token"}
 OPERATOR = {"Authorization": "Bearer operator-token"}
 
@@ -139,8 +144,12 @@ def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
     import httpx
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spectune.cli", "serve", "--port", str(port), *args],
-                            env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spectune.cli", "serve", "--port", str(port), *args],
+        env=env,
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while True:
@@ -162,11 +171,33 @@ def served(tiny, tmp_path_factory):
     """`spectune serve` in a subprocess on the tiny models (copy draft, N=3 of 4)."""
     root = tmp_path_factory.mktemp("serve")
     records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
-    env = dict(os.environ, SPECTUNE_MAX_MODEL_LEN="512", SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_DTYPE="float32",
-               SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_API_TOKENS=json.dumps(API_TOKENS))
-    proc, base = spawn_server(["--model", str(tiny["target"]), "--draft-model", str(tiny["copy"]), "-n", "3",
-                               "--max-speculative-tokens", "4", "--records", str(records), "--db", db],
-                              env, root / "server.log", timeout=180)
+    env = dict(
+        os.environ,
+        SPECTUNE_MAX_MODEL_LEN="512",
+        SPECTUNE_KV_CACHE_SPACE_GIB="1",
+        SPECTUNE_DTYPE="float32",
+        SPECTUNE_SPOOL_DIR=str(root / "spool"),
+        SPECTUNE_API_TOKENS=json.dumps(API_TOKENS),
+    )
+    proc, base = spawn_server(
+        [
+            "--model",
+            str(tiny["target"]),
+            "--draft-model",
+            str(tiny["copy"]),
+            "-n",
+            "3",
+            "--max-speculative-tokens",
+            "4",
+            "--records",
+            str(records),
+            "--db",
+            db,
+        ],
+        env,
+        root / "server.log",
+        timeout=180,
+    )
     yield Served(base, records, db)
     proc.terminate()
     proc.wait(timeout=60)

@@ -60,8 +60,10 @@ class PgServer:
             shutil.chown(self.root, "postgres")
         self._run(_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
         with (self.data / "postgresql.conf").open("a") as conf:
-            conf.write(f"port = {self.port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{self.root}'\n"
-                       "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n")
+            conf.write(
+                f"port = {self.port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{self.root}'\n"
+                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
+            )
         return self.start()
 
     def start(self) -> PgServer:
@@ -85,7 +87,9 @@ class PgServer:
         deadline = time.time() + 10
         while True:
             try:
-                with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True) as conn:
+                with psycopg.connect(
+                    f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True
+                ) as conn:
                     conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
                 return
             except psycopg.OperationalError:

@@ -10,12 +10,16 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from records import make_records
 from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.store.db import insert_records, make_engine, upgrade
 
-TOKENS = {"vic": TokenSpec(token="viewer-token", role=Role.VIEWER), "ola": TokenSpec(token="operator-token", role=Role.OPERATOR)}
+from records import make_records
+
+TOKENS = {
+    "vic": TokenSpec(token="viewer-token", role=Role.VIEWER),
+    "ola": TokenSpec(token="operator-token", role=Role.OPERATOR),
+}
 VIEWER = {"Authorization": "Bearer viewer-token"}
 OPERATOR = {"Authorization": "Bearer operator-token"}
 
@@ -61,8 +65,11 @@ def test_concurrent_patches_one_wins(api):
     results = []
 
     def patch(n):
-        results.append(api.patch("/api/v1/policy", json={"global": {"num_speculative_tokens": n}},
-                                 headers={**OPERATOR, "If-Match": etag}).status_code)
+        results.append(
+            api.patch(
+                "/api/v1/policy", json={"global": {"num_speculative_tokens": n}}, headers={**OPERATOR, "If-Match": etag}
+            ).status_code
+        )
 
     threads = [threading.Thread(target=patch, args=(n,)) for n in (2, 4)]
     [t.start() for t in threads]
@@ -74,18 +81,30 @@ def test_concurrent_patches_one_wins(api):
     assert missing.status_code == 422 and "if-match" in missing.text.lower()
 
 
-@pytest.mark.parametrize("patch, field", [
-    ({"global": {"num_speculative_tokens": -1}}, "num_speculative_tokens"),
-    ({"global": {"num_speculative_tokens": 9}}, "num_speculative_tokens"),  # > n_max 6
-    ({"global": {"acceptance_floor": 1.5}}, "acceptance_floor"),
-    ({"global": {"batch_table": [{"min_batch": 1, "max_batch": 8, "num_speculative_tokens": 3},
-                                 {"min_batch": 4, "max_batch": 16, "num_speculative_tokens": 1}]}}, "overlap"),
-    ({"global": {"n_min": 5, "n_max": 2}}, "n_min"),
-    ({"global": {"bogus": 1}}, "bogus"),
-    ({"classes": {"nope": {"num_speculative_tokens": 1}}}, "unknown prompt class"),
-    ({"classes": {"qa": {"tuner_mode": "sometimes"}}}, "tuner_mode"),
-    ({"global": {"disable_below_batch": 8, "disable_above_batch": 4}}, "disable_below_batch"),
-])
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"global": {"num_speculative_tokens": -1}}, "num_speculative_tokens"),
+        ({"global": {"num_speculative_tokens": 9}}, "num_speculative_tokens"),  # > n_max 6
+        ({"global": {"acceptance_floor": 1.5}}, "acceptance_floor"),
+        (
+            {
+                "global": {
+                    "batch_table": [
+                        {"min_batch": 1, "max_batch": 8, "num_speculative_tokens": 3},
+                        {"min_batch": 4, "max_batch": 16, "num_speculative_tokens": 1},
+                    ]
+                }
+            },
+            "overlap",
+        ),
+        ({"global": {"n_min": 5, "n_max": 2}}, "n_min"),
+        ({"global": {"bogus": 1}}, "bogus"),
+        ({"classes": {"nope": {"num_speculative_tokens": 1}}}, "unknown prompt class"),
+        ({"classes": {"qa": {"tuner_mode": "sometimes"}}}, "tuner_mode"),
+        ({"global": {"disable_below_batch": 8, "disable_above_batch": 4}}, "disable_below_batch"),
+    ],
+)
 def test_bad_policies_get_422_naming_the_field(api, patch, field):
     response = api.patch("/api/v1/policy", json=patch, headers={**OPERATOR, "If-Match": _etag(api)})
     assert response.status_code == 422
@@ -94,8 +113,11 @@ def test_bad_policies_get_422_naming_the_field(api, patch, field):
 
 
 def test_history_diff_rollback_and_audit(api):
-    r = api.patch("/api/v1/policy", json={"classes": {"qa": {"num_speculative_tokens": 1}}},
-                  headers={**OPERATOR, "If-Match": _etag(api), "X-Change-Reason": "qa drafts are wasted"})
+    r = api.patch(
+        "/api/v1/policy",
+        json={"classes": {"qa": {"num_speculative_tokens": 1}}},
+        headers={**OPERATOR, "If-Match": _etag(api), "X-Change-Reason": "qa drafts are wasted"},
+    )
     assert r.status_code == 200 and r.headers["ETag"] == '"2"'
     diff = api.get("/api/v1/policy/diff", params={"from": 1, "to": 2}, headers=VIEWER).json()["changes"]
     assert diff == [{"path": "/classes/qa/num_speculative_tokens", "before": None, "after": 1}]
@@ -113,9 +135,15 @@ def test_history_diff_rollback_and_audit(api):
 def test_remote_engines_poll_with_etag(api):
     r = api.get("/api/v1/engines/gpu-7/settings", headers=VIEWER)
     assert r.status_code == 200 and r.json()["version"] == 1
-    assert api.get("/api/v1/engines/gpu-7/settings", headers={**VIEWER, "If-None-Match": r.headers["ETag"]}).status_code == 304
-    api.patch("/api/v1/policy", json={"instances": {"gpu-7": {"disable_above_batch": 32}}},
-              headers={**OPERATOR, "If-Match": r.headers["ETag"]})
+    assert (
+        api.get("/api/v1/engines/gpu-7/settings", headers={**VIEWER, "If-None-Match": r.headers["ETag"]}).status_code
+        == 304
+    )
+    api.patch(
+        "/api/v1/policy",
+        json={"instances": {"gpu-7": {"disable_above_batch": 32}}},
+        headers={**OPERATOR, "If-Match": r.headers["ETag"]},
+    )
     r2 = api.get("/api/v1/engines/gpu-7/settings", headers={**VIEWER, "If-None-Match": r.headers["ETag"]})
     assert r2.status_code == 200 and r2.json()["version"] == 2
     table = r2.json()["batch_table"]
@@ -127,7 +155,9 @@ def test_records_pagination_and_stats(api):
     insert_records(api.db, records)
     seen, cursor = [], None
     while True:
-        page = api.get("/api/v1/records", params={"limit": 100, **({"cursor": cursor} if cursor else {})}, headers=VIEWER).json()
+        page = api.get(
+            "/api/v1/records", params={"limit": 100, **({"cursor": cursor} if cursor else {})}, headers=VIEWER
+        ).json()
         seen += [r["request_id"] for r in page["items"]]
         cursor = page["next_cursor"]
         if not cursor:
@@ -135,11 +165,15 @@ def test_records_pagination_and_stats(api):
     assert sorted(seen) == sorted(r.request_id for r in records) and len(seen) == 250
     qa = api.get("/api/v1/records", params={"class": "qa", "limit": 1000}, headers=VIEWER).json()["items"]
     assert qa and all(r["prompt_class"] == "qa" for r in qa)
-    stats = api.get("/api/v1/stats/acceptance", params={"window_s": 3600, "group_by": "position"}, headers=VIEWER).json()
+    stats = api.get(
+        "/api/v1/stats/acceptance", params={"window_s": 3600, "group_by": "position"}, headers=VIEWER
+    ).json()
     by_class = {g["class"]: g for g in stats["groups"]}
     expected_qa = [r for r in records if r.prompt_class == "qa"]
     assert by_class["qa"]["accepted"] == sum(r.num_accepted_tokens for r in expected_qa)
-    assert [p["accepted"] for p in by_class["qa"]["positions"]] == [sum(r.accepted_per_position[i] for r in expected_qa) for i in range(4)]
+    assert [p["accepted"] for p in by_class["qa"]["positions"]] == [
+        sum(r.accepted_per_position[i] for r in expected_qa) for i in range(4)
+    ]
     lat = api.get("/api/v1/stats/latency", params={"window_s": 3600}, headers=VIEWER).json()
     assert {c["class"] for c in lat["classes"]} == {"qa", "long"} and lat["classes"][0]["e2e_s"]["p50"] == 1.0
     assert api.get("/api/v1/records", params={"cursor": "garbage"}, headers=VIEWER).status_code == 400
@@ -148,16 +182,26 @@ def test_records_pagination_and_stats(api):
 
 
 def test_alertmanager_webhook_is_idempotent(api):
-    alert = {"status": "firing", "labels": {"alertname": "SpecAcceptanceLow", "class": "qa"},
-             "annotations": {"summary": "acceptance < 70% for 5m"}, "startsAt": "2026-11-30T10:00:00Z",
-             "fingerprint": "abc123"}
+    alert = {
+        "status": "firing",
+        "labels": {"alertname": "SpecAcceptanceLow", "class": "qa"},
+        "annotations": {"summary": "acceptance < 70% for 5m"},
+        "startsAt": "2026-11-30T10:00:00Z",
+        "fingerprint": "abc123",
+    }
     payload = {"version": "4", "status": "firing", "receiver": "spectune", "alerts": [alert]}
     assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=VIEWER).status_code == 403
-    assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=OPERATOR).json() == {"received": 1, "stored": 1}
+    assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=OPERATOR).json() == {
+        "received": 1,
+        "stored": 1,
+    }
     assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=OPERATOR).json()["stored"] == 0  # repeat
     resolved = {**payload, "status": "resolved", "alerts": [{**alert, "status": "resolved"}]}
     assert api.post("/api/v1/alerts/alertmanager", json=resolved, headers=OPERATOR).json()["stored"] == 1
     events = api.get("/api/v1/alerts", headers=VIEWER).json()
-    assert [(e["alertname"], e["status"]) for e in events] == [("SpecAcceptanceLow", "resolved"), ("SpecAcceptanceLow", "firing")]
+    assert [(e["alertname"], e["status"]) for e in events] == [
+        ("SpecAcceptanceLow", "resolved"),
+        ("SpecAcceptanceLow", "firing"),
+    ]
     bad = api.post("/api/v1/alerts/alertmanager", json={"status": "weird", "alerts": []}, headers=OPERATOR)
     assert bad.status_code == 422 and "status" in bad.text

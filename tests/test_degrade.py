@@ -12,7 +12,9 @@ async def test_broken_draft_degrades_to_target_only(tiny, tmp_path):
     shutil.copytree(tiny["copy"], broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     # (prompt sampling rides along: rate 1.0 puts the text on every record)
-    config = tiny_config(tiny, draft="copy", n=3).model_copy(update={"draft_model": str(broken), "prompt_sample_rate": 1.0})
+    config = tiny_config(tiny, draft="copy", n=3).model_copy(
+        update={"draft_model": str(broken), "prompt_sample_rate": 1.0}
+    )
     async with running_engine(config) as (engine, sink):
         assert engine.degraded_reason and engine.active_config.method == "none"
         assert engine.capacity == 0

@@ -24,8 +24,12 @@ def demo_server(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "spectune.cli", "models", "prepare"], check=True, timeout=1800)
     root = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_MAX_MODEL_LEN="1024")
-    proc, base = spawn_server(["--db", f"sqlite:///{root}/demo.db", "--records", str(root / "records.jsonl")],
-                              env, root / "server.log", timeout=600)
+    proc, base = spawn_server(
+        ["--db", f"sqlite:///{root}/demo.db", "--records", str(root / "records.jsonl")],
+        env,
+        root / "server.log",
+        timeout=600,
+    )
     yield base, root
     proc.terminate()
     proc.wait(timeout=120)
@@ -39,8 +43,12 @@ def test_demo_pair_serves_with_speculation(demo_server):
     assert ready["speculation"] == "draft_model" and ready["degraded_reason"] is None
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
-                                         max_tokens=32, temperature=0)
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+        max_tokens=32,
+        temperature=0,
+    )
     assert "def" in out.choices[0].message.content
     time.sleep(0.5)
     import json

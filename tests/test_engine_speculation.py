@@ -7,8 +7,8 @@ One engine per configuration (start-up ~15 s), all prompts through each.
 from __future__ import annotations
 
 import asyncio
+import itertools
 
-import pytest
 import pytest_asyncio
 
 from conftest import PROMPTS, complete, running_engine, tiny_config
@@ -75,7 +75,7 @@ async def test_per_request_metrics_are_consistent(speculative):
         assert sum(r.accepted_per_position) == r.num_accepted_tokens
         for counts in (r.drafted_per_position, r.accepted_per_position):
             assert len(counts) == N
-            assert all(a >= b for a, b in zip(counts, counts[1:])), counts
+            assert all(a >= b for a, b in itertools.pairwise(counts)), counts
         assert all(a <= d for a, d in zip(r.accepted_per_position, r.drafted_per_position))
         # Token accounting (documented in README): the prefill step yields 1
         # token, a verify step accepted + 1, a decode step without drafts 1;

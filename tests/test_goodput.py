@@ -26,15 +26,15 @@ def test_position_acceptance_shrinks_small_samples_and_follows_large_ones():
     assert few.mean[0] == pytest.approx(4 / 6) and few.low[0] < few.mean[0] < few.high[0] <= 1
     many = position_acceptance([1000, 1000, 1000], [800, 400, 100])
     assert many.mean[0] == pytest.approx(0.8, abs=0.01)
-    assert many.mean[1] == pytest.approx(0.5, abs=0.01)   # conditional: 400 of the 800 that reached it
+    assert many.mean[1] == pytest.approx(0.5, abs=0.01)  # conditional: 400 of the 800 that reached it
     assert many.mean[2] == pytest.approx(0.25, abs=0.01)
     assert many.samples == (1000, 800, 400)
 
 
 def test_cost_ratio_fit_and_fallback():
     assert fit_cost_ratio({0: 0.10, 2: 0.13, 4: 0.16}, fallback=0.5) == pytest.approx(0.15)
-    assert fit_cost_ratio({3: 0.2}, fallback=0.5) == 0.5            # one point: prior
-    assert fit_cost_ratio({1: 0.2, 3: 0.1}, fallback=0.5) == 0.5    # nonsense slope: prior
+    assert fit_cost_ratio({3: 0.2}, fallback=0.5) == 0.5  # one point: prior
+    assert fit_cost_ratio({1: 0.2, 3: 0.1}, fallback=0.5) == 0.5  # nonsense slope: prior
 
 
 def test_off_when_speculation_does_not_pay():
@@ -64,7 +64,10 @@ def test_stationary_inputs_never_oscillate(a, c, bounds, start):
 def test_higher_acceptance_never_lowers_the_chosen_n(a1, a2, c, bounds):
     lo, hi = sorted((a1, a2))
     n_min, n_max = bounds
-    assert choose_n([lo] * 8, c, 0, n_min, n_max, min_gain=0).best_n <= choose_n([hi] * 8, c, 0, n_min, n_max, min_gain=0).best_n
+    assert (
+        choose_n([lo] * 8, c, 0, n_min, n_max, min_gain=0).best_n
+        <= choose_n([hi] * 8, c, 0, n_min, n_max, min_gain=0).best_n
+    )
 
 
 @given(a=alpha, c1=cost, c2=cost, bounds=n_bounds)
@@ -72,7 +75,10 @@ def test_higher_acceptance_never_lowers_the_chosen_n(a1, a2, c, bounds):
 def test_more_expensive_draft_never_raises_it(a, c1, c2, bounds):
     cheap, dear = sorted((c1, c2))
     n_min, n_max = bounds
-    assert choose_n([a] * 8, dear, 0, n_min, n_max, min_gain=0).best_n <= choose_n([a] * 8, cheap, 0, n_min, n_max, min_gain=0).best_n
+    assert (
+        choose_n([a] * 8, dear, 0, n_min, n_max, min_gain=0).best_n
+        <= choose_n([a] * 8, cheap, 0, n_min, n_max, min_gain=0).best_n
+    )
 
 
 @given(c=cost, current=st.integers(0, 8))

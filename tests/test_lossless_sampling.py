@@ -54,11 +54,22 @@ def _metadata(batch: int):
     from vllm.v1.sample.metadata import SamplingMetadata
 
     return SamplingMetadata(
-        temperature=torch.ones(batch), all_greedy=False, all_random=True, top_p=None, top_k=None,
-        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
-        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=None,
+        temperature=torch.ones(batch),
+        all_greedy=False,
+        all_random=True,
+        top_p=None,
+        top_k=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=None,
     )
 
 
@@ -76,10 +87,14 @@ def test_rejection_sampler_follows_the_lossless_rule(cpu_kernels):
     q = torch.tensor([0.10, 0.10, 0.30, 0.30, 0.10, 0.10])
     drafts = torch.multinomial(q, batch, replacement=True)
     out = rejection_sample(
-        drafts.to(torch.int32).contiguous(), [1] * batch, 1,
+        drafts.to(torch.int32).contiguous(),
+        [1] * batch,
+        1,
         torch.arange(1, batch + 1, dtype=torch.int32),
-        q.expand(batch, vocab).contiguous(), p.log().expand(batch, vocab).contiguous(),
-        torch.zeros(batch, 1, dtype=torch.int32), _metadata(batch),
+        q.expand(batch, vocab).contiguous(),
+        p.log().expand(batch, vocab).contiguous(),
+        torch.zeros(batch, 1, dtype=torch.int32),
+        _metadata(batch),
     )
     first = out[:, 0].long()
     accepted = (first == drafts).float().mean().item()
@@ -98,10 +113,17 @@ async def _sample(config, n: int, tokens: int) -> list[list[int]]:
     from spectune.engine.core import GenerationRequest
 
     async with running_engine(config) as (engine, sink):
+
         async def one(i: int) -> list[int]:
             ids: list[int] = []
-            req = GenerationRequest(prompt=PROMPT, max_tokens=tokens, temperature=1.0, seed=10_000 + i,
-                                    ignore_eos=True, request_id=f"s-{uuid.uuid4().hex[:8]}")
+            req = GenerationRequest(
+                prompt=PROMPT,
+                max_tokens=tokens,
+                temperature=1.0,
+                seed=10_000 + i,
+                ignore_eos=True,
+                request_id=f"s-{uuid.uuid4().hex[:8]}",
+            )
             async for d in engine.generate(req):
                 ids.extend(d.token_ids)
             return ids
@@ -120,8 +142,10 @@ def _homogeneous(a: list[int], b: list[int]) -> float:
     """Chi-square p-value that two samples share a distribution (rare tokens pooled)."""
     ca, cb = Counter(a), Counter(b)
     common = [t for t, _ in (ca + cb).most_common() if ca[t] + cb[t] >= 10]
-    rows = [[ca[t] for t in common] + [sum(v for t, v in ca.items() if t not in common)],
-            [cb[t] for t in common] + [sum(v for t, v in cb.items() if t not in common)]]
+    rows = [
+        [ca[t] for t in common] + [sum(v for t, v in ca.items() if t not in common)],
+        [cb[t] for t in common] + [sum(v for t, v in cb.items() if t not in common)],
+    ]
     table = np.array(rows)
     table = table[:, table.sum(0) > 0]
     return chi2_contingency(table)[1]

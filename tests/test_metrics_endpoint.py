@@ -30,8 +30,11 @@ def test_metrics_move_with_requests(served):
     before = _scrape(served.base)
     ids = []
     for i in range(3):
-        r = httpx.post(f"{served.base}/v1/completions", json={
-            "model": "target", "prompt": f"metrics probe {i}", "max_tokens": 9, "temperature": 0}, timeout=60)
+        r = httpx.post(
+            f"{served.base}/v1/completions",
+            json={"model": "target", "prompt": f"metrics probe {i}", "max_tokens": 9, "temperature": 0},
+            timeout=60,
+        )
         assert r.status_code == 200
         ids.append(r.json()["id"])
     time.sleep(1.0)  # records reach the DB through the spool within ~0.2 s
@@ -42,7 +45,9 @@ def test_metrics_move_with_requests(served):
     assert delta("spectune_output_tokens_total", **{"class": "qa"}) == 27
     drafted = delta("spectune_draft_tokens_total", **{"class": "qa"})
     assert drafted > 0 and delta("spectune_accepted_tokens_total", **{"class": "qa"}) == drafted  # copy draft
-    per_pos = [delta("spectune_accepted_tokens_per_position_total", **{"class": "qa", "position": str(k)}) for k in range(3)]
+    per_pos = [
+        delta("spectune_accepted_tokens_per_position_total", **{"class": "qa", "position": str(k)}) for k in range(3)
+    ]
     assert sum(per_pos) == drafted and per_pos[0] >= per_pos[1] >= per_pos[2] > 0
     assert delta("spectune_time_to_first_token_seconds_count", **{"class": "qa"}) == 3
     assert delta("spectune_e2e_request_latency_seconds_count", **{"class": "qa"}) == 3
@@ -52,9 +57,13 @@ def test_metrics_move_with_requests(served):
     assert _get(after, "spectune_database_up") == 1 and _get(after, "spectune_records_dropped_total") == 0
     assert delta("spectune_records_spooled_total") >= 3
     # vLLM's own spec-decode counters are in the same registry and agree with ours
-    vllm_drafted = sum(v - _get(before, n, **dict(l)) for (n, l), v in after.items() if n == "vllm:spec_decode_num_draft_tokens_total")
+    vllm_drafted = sum(
+        v - _get(before, name, **dict(labels))
+        for (name, labels), v in after.items()
+        if name == "vllm:spec_decode_num_draft_tokens_total"
+    )
     assert vllm_drafted == drafted
-    assert not any("request_id" in dict(l) for (_, l) in after)  # low cardinality
+    assert not any("request_id" in dict(labels) for (_, labels) in after)  # low cardinality
 
     db = make_engine(served.db)
     with db.connect() as conn:

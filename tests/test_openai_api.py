@@ -76,7 +76,11 @@ def test_unknown_model_is_404(client):
 
 def test_malformed_json_and_unknown_field(server):
     base = server[0]
-    r = httpx.post(f"{base}/v1/completions", content=b'{"model": "target", "prompt": ', headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{base}/v1/completions",
+        content=b'{"model": "target", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "bogus": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
@@ -88,7 +92,9 @@ def _records(path) -> list[dict]:
 
 def test_still_serving_and_every_request_recorded(client, server):
     before = len(_records(server[1]))
-    out = client.completions.create(model=MODEL, prompt="still alive", max_tokens=5, extra_headers={"X-Spectune-Class": "long"})
+    out = client.completions.create(
+        model=MODEL, prompt="still alive", max_tokens=5, extra_headers={"X-Spectune-Class": "long"}
+    )
     assert out.usage.completion_tokens == 5
     list(client.completions.create(model=MODEL, prompt="a streamed one", max_tokens=3, stream=True))
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)

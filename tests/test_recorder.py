@@ -13,14 +13,15 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
-from records import make_records
 from spectune.engine.schema import StepRecord
 from spectune.store.db import make_engine, upgrade
 from spectune.store.models import RequestRecordRow, StepStat
 from spectune.store.recorder import Recorder
 from spectune.store.steps import StepAggregator, batch_bucket
+
+from records import make_records
 
 
 def _rows(url: str) -> list[RequestRecordRow]:
@@ -67,7 +68,7 @@ def test_postgres_outage_loses_nothing(pg_server, tmp_path):
     recorder = Recorder(make_engine(pg_server.url, pool_pre_ping=True), tmp_path / "spool", max_backoff=0.5)
 
     def feed():
-        for i, r in enumerate(records):
+        for _i, r in enumerate(records):
             recorder.submit(r)
             time.sleep(0.003)  # ~3 s of traffic
 
@@ -121,9 +122,21 @@ def test_step_aggregation():
     agg = StepAggregator()
     t0 = 1_800_000_000.0  # on a minute boundary
     for i in range(10):
-        agg.add(StepRecord(instance_id="i", time=t0 + i, batch_size=3, num_prefill_requests=0, num_decode_requests=3,
-                           num_scheduled_tokens=12, step_time_s=0.01 * (i + 1), num_speculative_tokens=3,
-                           num_draft_tokens=9, num_accepted_tokens=6, accepted_per_position=[3, 2, 1]))
+        agg.add(
+            StepRecord(
+                instance_id="i",
+                time=t0 + i,
+                batch_size=3,
+                num_prefill_requests=0,
+                num_decode_requests=3,
+                num_scheduled_tokens=12,
+                step_time_s=0.01 * (i + 1),
+                num_speculative_tokens=3,
+                num_draft_tokens=9,
+                num_accepted_tokens=6,
+                accepted_per_position=[3, 2, 1],
+            )
+        )
     assert agg.flush(now=t0 + 30) == []  # minute still open
     (row,) = agg.flush(now=t0 + 61)
     assert (row["batch_bucket"], row["steps"], row["num_accepted_tokens"]) == (4, 10, 60)
@@ -136,10 +149,21 @@ def test_step_stats_reach_the_database(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     upgrade(url)
     recorder = Recorder(make_engine(url), tmp_path / "spool")
-    recorder.submit_step(StepRecord(instance_id="i", time=time.time(), batch_size=2, num_prefill_requests=0,
-                                    num_decode_requests=2, num_scheduled_tokens=8, step_time_s=0.02,
-                                    num_speculative_tokens=3, num_draft_tokens=6, num_accepted_tokens=4,
-                                    accepted_per_position=[2, 1, 1]))
+    recorder.submit_step(
+        StepRecord(
+            instance_id="i",
+            time=time.time(),
+            batch_size=2,
+            num_prefill_requests=0,
+            num_decode_requests=2,
+            num_scheduled_tokens=8,
+            step_time_s=0.02,
+            num_speculative_tokens=3,
+            num_draft_tokens=6,
+            num_accepted_tokens=4,
+            accepted_per_position=[2, 1, 1],
+        )
+    )
     recorder.close()
     engine = make_engine(url)
     with engine.connect() as conn:

@@ -11,11 +11,12 @@ import httpx
 import pytest_asyncio
 import uvicorn
 
-from conftest import free_port, running_engine, tiny_config
 from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.control import PolicyFollower
 from spectune.store.db import make_engine, upgrade
+
+from conftest import free_port, running_engine, tiny_config
 
 OPERATOR = {"Authorization": "Bearer op"}
 
@@ -39,14 +40,15 @@ async def control_plane(tmp_path_factory):
 async def test_remote_engine_follows_policy(control_plane, tiny):
     async with running_engine(tiny_config(tiny, draft="copy", n=4)) as (engine, _):
         follower = PolicyFollower(engine, control_plane, "op", interval=0.2)
-        assert await follower.poll_once() is True      # first poll applies version 1
-        assert await follower.poll_once() is False     # 304: nothing changed
+        assert await follower.poll_once() is True  # first poll applies version 1
+        assert await follower.poll_once() is False  # 304: nothing changed
         follower.start()
         async with httpx.AsyncClient(base_url=control_plane, headers=OPERATOR) as client:
             etag = (await client.get("/api/v1/policy")).headers["ETag"]
             t0 = time.perf_counter()
-            r = await client.patch("/api/v1/policy", json={"classes": {"qa": {"num_speculative_tokens": 1}}},
-                                   headers={"If-Match": etag})
+            r = await client.patch(
+                "/api/v1/policy", json={"classes": {"qa": {"num_speculative_tokens": 1}}}, headers={"If-Match": etag}
+            )
             assert r.status_code == 200
             while engine.settings.version != 2:
                 assert time.perf_counter() - t0 < 5, "change did not arrive within 5 s"

@@ -6,10 +6,11 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select
 
-from records import make_records
 from spectune.store.db import insert_records, make_engine, upgrade
 from spectune.store.models import RequestRecordRow, RequestRollup
 from spectune.store.retention import roll_up
+
+from records import make_records
 
 
 def test_roll_up_preserves_totals(db_url):

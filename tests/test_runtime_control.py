@@ -12,8 +12,9 @@ import time
 
 import pytest_asyncio
 
-from conftest import complete, running_engine, tiny_config
 from spectune.engine import RuntimeSettings
+
+from conftest import complete, running_engine, tiny_config
 
 STREAMS = 8
 
@@ -30,7 +31,7 @@ class Load:
             k += 1
             try:
                 await complete(self.engine, f"the model draft {i} step {k}", 120, temperature=0.0, ignore_eos=True)
-            except Exception as exc:  # noqa: BLE001 - counted, asserted zero
+            except Exception as exc:
                 self.failures.append(repr(exc))
 
     async def __aenter__(self):
@@ -70,8 +71,10 @@ async def test_apply_under_load_takes_effect_next_step(engine):
     after = [r for r in records if r.arrival_time > applied_at]
     assert after and all(r.num_speculative_tokens == 1 and r.settings_version == 1 for r in after)
     assert all(r.drafted_per_position[1:] == [0, 0, 0] for r in after)
-    print(f"\napply: ack {ack * 1000:.1f} ms, first step with new N {effect * 1000:.1f} ms later, "
-          f"{len(records)} requests, 0 failed")
+    print(
+        f"\napply: ack {ack * 1000:.1f} ms, first step with new N {effect * 1000:.1f} ms later, "
+        f"{len(records)} requests, 0 failed"
+    )
     assert ack < 1.0 and effect < 1.0
 
 
@@ -79,7 +82,9 @@ async def test_switch_off_and_on_per_class(engine):
     eng, sink = engine
     from spectune.engine import ClassSettings
 
-    await eng.apply(RuntimeSettings(version=2, num_speculative_tokens=4, classes={"qa": ClassSettings(speculation_enabled=False)}))
+    await eng.apply(
+        RuntimeSettings(version=2, num_speculative_tokens=4, classes={"qa": ClassSettings(speculation_enabled=False)})
+    )
     _, _, rid = await complete(eng, "short question", 20, temperature=0.0, ignore_eos=True)
     off = next(r for r in sink.records if r.request_id == rid)
     assert not off.speculation_enabled and off.num_draft_tokens == 0 and off.num_speculative_tokens == 0

@@ -14,25 +14,35 @@ from spectune.engine.core import per_position
 def test_n_for_precedence_and_clamp():
     s = RuntimeSettings(
         num_speculative_tokens=3,
-        batch_table=[BatchRange(min_batch=1, max_batch=4, num_speculative_tokens=5),
-                     BatchRange(min_batch=9, max_batch=64, num_speculative_tokens=0)],
-        classes={"qa": ClassSettings(num_speculative_tokens=2, batch_table=[]),
-                 "long": ClassSettings(speculation_enabled=False)},
+        batch_table=[
+            BatchRange(min_batch=1, max_batch=4, num_speculative_tokens=5),
+            BatchRange(min_batch=9, max_batch=64, num_speculative_tokens=0),
+        ],
+        classes={
+            "qa": ClassSettings(num_speculative_tokens=2, batch_table=[]),
+            "long": ClassSettings(speculation_enabled=False),
+        },
     )
-    assert s.n_for("other", 1, capacity=8) == 5      # table beats plain N
-    assert s.n_for("other", 6, capacity=8) == 3      # gap in the table: plain N
-    assert s.n_for("other", 32, capacity=8) == 0     # high batch: off
-    assert s.n_for("other", 2, capacity=4) == 4      # clamped to capacity
-    assert s.n_for("qa", 1, capacity=8) == 2         # class N, empty class table
-    assert s.n_for("long", 1, capacity=8) == 0       # class switched off
+    assert s.n_for("other", 1, capacity=8) == 5  # table beats plain N
+    assert s.n_for("other", 6, capacity=8) == 3  # gap in the table: plain N
+    assert s.n_for("other", 32, capacity=8) == 0  # high batch: off
+    assert s.n_for("other", 2, capacity=4) == 4  # clamped to capacity
+    assert s.n_for("qa", 1, capacity=8) == 2  # class N, empty class table
+    assert s.n_for("long", 1, capacity=8) == 0  # class switched off
     assert RuntimeSettings(speculation_enabled=False).n_for("x", 1, 8) == 0
 
 
 @pytest.mark.parametrize(
     "table",
     [
-        [BatchRange(min_batch=1, max_batch=8, num_speculative_tokens=3), BatchRange(min_batch=8, max_batch=9, num_speculative_tokens=1)],
-        [BatchRange(min_batch=4, max_batch=16, num_speculative_tokens=3), BatchRange(min_batch=1, max_batch=4, num_speculative_tokens=1)],
+        [
+            BatchRange(min_batch=1, max_batch=8, num_speculative_tokens=3),
+            BatchRange(min_batch=8, max_batch=9, num_speculative_tokens=1),
+        ],
+        [
+            BatchRange(min_batch=4, max_batch=16, num_speculative_tokens=3),
+            BatchRange(min_batch=1, max_batch=4, num_speculative_tokens=1),
+        ],
     ],
 )
 def test_overlapping_batch_ranges_rejected(table):
@@ -62,11 +72,14 @@ def test_parse_batch_table():
 def test_classifier_precedence():
     c = PromptClassifier(
         regex_rules=[RegexRule(pattern=r"```|def |class ", prompt_class="code")],
-        length_rules=[LengthRule(max_prompt_tokens=200, prompt_class="medium"), LengthRule(max_prompt_tokens=30, prompt_class="qa")],
+        length_rules=[
+            LengthRule(max_prompt_tokens=200, prompt_class="medium"),
+            LengthRule(max_prompt_tokens=30, prompt_class="qa"),
+        ],
         extra_classes=["batch"],
     )
-    assert c.classify("def f(): pass", 5) == "code"          # regex before length
-    assert c.classify("hello", 5) == "qa"                    # smallest threshold first
+    assert c.classify("def f(): pass", 5) == "code"  # regex before length
+    assert c.classify("hello", 5) == "qa"  # smallest threshold first
     assert c.classify("hello", 100) == "medium"
     assert c.classify("hello", 500) == "long"
     assert c.classify("def f", 5, explicit="batch") == "batch"  # explicit wins

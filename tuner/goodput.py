@@ -124,5 +124,10 @@ def choose_n(
         target = best  # switching off (or back on) is one move, not a walk through N
     else:
         target = current + max(-max_step, min(max_step, best - current))
-    return Decision(target, scores.get(target, speedup(alphas, target, cost_ratio)), best, scores[best],
-                    f"goodput argmax N={best} ({scores[best]:.2f}x vs {here:.2f}x)")
+    return Decision(
+        target,
+        scores.get(target, speedup(alphas, target, cost_ratio)),
+        best,
+        scores[best],
+        f"goodput argmax N={best} ({scores[best]:.2f}x vs {here:.2f}x)",
+    )

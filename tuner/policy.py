@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spectune.engine.schema import BatchRange, ClassSettings, RuntimeSettings
+from spectune.engine.schema import BatchRange, ClassSettings, RuntimeSettings, check_batch_table
 
 MAX_N = 16
 MAX_BATCH = 4096
@@ -56,7 +56,8 @@ class Policy(BaseModel):
 
     speculation_enabled: bool = True
     method: Literal["none", "ngram", "draft_model"] | None = Field(
-        default=None, description="None: as the engine was started; a change rebuilds the engine")
+        default=None, description="None: as the engine was started; a change rebuilds the engine"
+    )
     draft_model: str | None = Field(default=None, description="None: as the engine was started")
     num_speculative_tokens: int = Field(default=3, ge=0, le=MAX_N)
     n_min: int = Field(default=0, ge=0, le=MAX_N)
@@ -83,13 +84,7 @@ class Policy(BaseModel):
         for entry in self.batch_table:
             if entry.num_speculative_tokens > self.n_max:
                 raise ValueError(f"batch_table N {entry.num_speculative_tokens} exceeds n_max ({self.n_max})")
-        ordered = sorted(self.batch_table, key=lambda r: r.min_batch)
-        for before, after in zip(ordered, ordered[1:]):
-            if after.min_batch <= before.max_batch:
-                raise ValueError(
-                    f"batch_table ranges overlap: [{before.min_batch},{before.max_batch}] and "
-                    f"[{after.min_batch},{after.max_batch}]"
-                )
+        check_batch_table(self.batch_table)
         below, above = self.disable_below_batch, self.disable_above_batch
         if below is not None and above is not None and below > above:
             raise ValueError(f"disable_below_batch ({below}) must be <= disable_above_batch ({above})")
@@ -149,7 +144,9 @@ def batch_table(policy: Policy) -> list[BatchRange]:
         pieces = [(entry.min_batch, entry.max_batch)]
         for lo, hi in off:  # cut the parts the rules switch off
             pieces = [p for a, b in pieces for p in ((a, min(b, lo - 1)), (max(a, hi + 1), b)) if p[0] <= p[1]]
-        table += [BatchRange(min_batch=a, max_batch=b, num_speculative_tokens=entry.num_speculative_tokens) for a, b in pieces]
+        table += [
+            BatchRange(min_batch=a, max_batch=b, num_speculative_tokens=entry.num_speculative_tokens) for a, b in pieces
+        ]
     return sorted(table, key=lambda r: r.min_batch)
 
 
@@ -160,10 +157,14 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
     for prompt_class in sorted(classes):
         p = effective_policy(doc, instance, prompt_class)
         per_class[prompt_class] = ClassSettings(
-            speculation_enabled=p.speculation_enabled, num_speculative_tokens=p.num_speculative_tokens,
+            speculation_enabled=p.speculation_enabled,
+            num_speculative_tokens=p.num_speculative_tokens,
             batch_table=batch_table(p),
         )
     return RuntimeSettings(
-        version=version, speculation_enabled=base.speculation_enabled,
-        num_speculative_tokens=base.num_speculative_tokens, batch_table=batch_table(base), classes=per_class,
+        version=version,
+        speculation_enabled=base.speculation_enabled,
+        num_speculative_tokens=base.num_speculative_tokens,
+        batch_table=batch_table(base),
+        classes=per_class,
     )

@@ -96,9 +96,7 @@ def assemble(source: GgufSource, out_dir: Path) -> Path:
                     bar.update(len(chunk))
     if digest.hexdigest() != source.sha256:
         tmp.unlink()
-        raise ChecksumError(
-            f"{source.name}: assembled SHA-256 {digest.hexdigest()} != pinned {source.sha256}"
-        )
+        raise ChecksumError(f"{source.name}: assembled SHA-256 {digest.hexdigest()} != pinned {source.sha256}")
     tmp.rename(target)
     (out_dir / f"{source.name}.gguf.sha256").write_text(source.sha256 + "\n")
     return target
@@ -116,9 +114,7 @@ def convert(source: GgufSource, gguf: Path, out_dir: Path) -> Path:
     with tqdm(total=3, desc=f"convert {source.name}") as bar:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, torch_dtype=torch.bfloat16
-        )
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.bfloat16)
         bar.update()
         # A GGUF-loaded model still claims to be quantized; saving needs that gone.
         model.hf_quantizer = None

@@ -28,8 +28,8 @@ class AlertIn(BaseModel):
     status: str = Field(pattern="^(firing|resolved)$")
     labels: dict[str, str]
     annotations: dict[str, str] = Field(default_factory=dict)
-    startsAt: datetime  # noqa: N815 - Alertmanager's field names
-    endsAt: datetime | None = None  # noqa: N815
+    startsAt: datetime
+    endsAt: datetime | None = None
     fingerprint: str = Field(min_length=1, max_length=64)
 
 
@@ -51,14 +51,24 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
     with request.app.state.db.begin() as conn:
         for alert in payload.alerts:
             starts = alert.startsAt if alert.startsAt.tzinfo else alert.startsAt.replace(tzinfo=UTC)
-            seen = conn.execute(select(AlertEvent.id).where(
-                AlertEvent.fingerprint == alert.fingerprint, AlertEvent.status == alert.status,
-                AlertEvent.starts_at == starts)).first()
+            seen = conn.execute(
+                select(AlertEvent.id).where(
+                    AlertEvent.fingerprint == alert.fingerprint,
+                    AlertEvent.status == alert.status,
+                    AlertEvent.starts_at == starts,
+                )
+            ).first()
             if seen is not None:
                 continue
-            conn.execute(insert(AlertEvent).values(
-                fingerprint=alert.fingerprint, status=alert.status, alertname=alert.labels.get("alertname", "")[:128],
-                labels={**alert.labels, **{f"annotation:{k}": v for k, v in alert.annotations.items()}},
-                starts_at=starts, received_at=now))
+            conn.execute(
+                insert(AlertEvent).values(
+                    fingerprint=alert.fingerprint,
+                    status=alert.status,
+                    alertname=alert.labels.get("alertname", "")[:128],
+                    labels={**alert.labels, **{f"annotation:{k}": v for k, v in alert.annotations.items()}},
+                    starts_at=starts,
+                    received_at=now,
+                )
+            )
             stored += 1
     return {"received": len(payload.alerts), "stored": stored}

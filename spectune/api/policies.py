@@ -19,7 +19,10 @@ from .auth import ERRORS, ErrorOut, Offset, Operator, Viewer
 
 router = APIRouter(prefix="/api/v1", tags=["policy"], responses=ERRORS)
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
-    409: {"model": ErrorOut, "description": "Stale If-Match: the policy changed meanwhile (ETag has the current version)"},
+    409: {
+        "model": ErrorOut,
+        "description": "Stale If-Match: the policy changed meanwhile (ETag has the current version)",
+    },
     400: {"model": ErrorOut, "description": "Malformed If-Match"},
 }
 IfMatch = Annotated[str, Header(description='The version this write is based on, as returned in ETag, e.g. "3"')]
@@ -50,7 +53,9 @@ def _expected(if_match: str) -> int:
     try:
         return int(if_match.strip().removeprefix("W/").strip('"'))
     except ValueError:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"If-Match must be a version ETag like \"3\", got {if_match!r}") from None
+        raise HTTPException(
+            status.HTTP_400_BAD_REQUEST, f'If-Match must be a version ETag like "3", got {if_match!r}'
+        ) from None
 
 
 def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
@@ -59,15 +64,23 @@ def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
         validate_document(doc, request.app.state.known_classes)
         request.app.state.check_policy(doc)
     except ValidationError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, [
-            {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors(include_url=False, include_context=False)
-        ]) from None
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            [
+                {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                for e in exc.errors(include_url=False, include_context=False)
+            ],
+        ) from None
     except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, [{"loc": ["policy"], "msg": str(exc), "type": "value_error"}]) from None
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY, [{"loc": ["policy"], "msg": str(exc), "type": "value_error"}]
+        ) from None
     return doc
 
 
-async def _write(request: Request, response: Response, doc: PolicyDocument, expected: int, who: str, reason: str | None, action: str) -> PolicyVersionOut:
+async def _write(
+    request: Request, response: Response, doc: PolicyDocument, expected: int, who: str, reason: str | None, action: str
+) -> PolicyVersionOut:
     try:
         written = request.app.state.policies.write(doc.body(), expected, who, reason, action)
     except StaleVersionError as exc:
@@ -86,11 +99,17 @@ def get_policy(request: Request, response: Response, _: Viewer) -> PolicyVersion
 
 @router.put("/policy", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def replace_policy(
-    request: Request, response: Response, who: Operator, body: PolicyDocument, if_match: IfMatch,
+    request: Request,
+    response: Response,
+    who: Operator,
+    body: PolicyDocument,
+    if_match: IfMatch,
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
-    return await _write(request, response, _validated(request, body.body()), expected, who.name, x_change_reason, "replace")
+    return await _write(
+        request, response, _validated(request, body.body()), expected, who.name, x_change_reason, "replace"
+    )
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -108,9 +127,12 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 @router.patch("/policy", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def patch_policy(
-    request: Request, response: Response, who: Operator,
+    request: Request,
+    response: Response,
+    who: Operator,
     patch: Annotated[dict[str, Any], Body(description="JSON merge patch (RFC 7386) on the policy document")],
-    if_match: IfMatch, x_change_reason: Reason = None,
+    if_match: IfMatch,
+    x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
     current = request.app.state.policies.current()
@@ -119,8 +141,9 @@ async def patch_policy(
 
 
 @router.get("/policy/versions", response_model=list[PolicyVersionOut])
-def list_versions(request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50,
-                  offset: Offset = 0) -> list[PolicyVersionOut]:
+def list_versions(
+    request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Offset = 0
+) -> list[PolicyVersionOut]:
     return [_out(v) for v in request.app.state.policies.versions(limit, offset)]
 
 
@@ -137,14 +160,22 @@ def get_version(request: Request, number: Annotated[int, Path(ge=1, le=2**31)], 
 
 
 @router.get("/policy/diff")
-def diff_versions(request: Request, _: Viewer, from_: Annotated[int, Query(alias="from", ge=1, le=2**31)],
-                  to: Annotated[int, Query(ge=1, le=2**31)]) -> dict[str, Any]:
+def diff_versions(
+    request: Request,
+    _: Viewer,
+    from_: Annotated[int, Query(alias="from", ge=1, le=2**31)],
+    to: Annotated[int, Query(ge=1, le=2**31)],
+) -> dict[str, Any]:
     return {"from": from_, "to": to, "changes": json_diff(_version(request, from_).body, _version(request, to).body)}
 
 
 @router.post("/policy/rollback", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def rollback(
-    request: Request, response: Response, who: Operator, body: RollbackIn, if_match: IfMatch,
+    request: Request,
+    response: Response,
+    who: Operator,
+    body: RollbackIn,
+    if_match: IfMatch,
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
@@ -155,7 +186,12 @@ async def rollback(
 
 
 @router.get("/policy/effective", response_model=Policy)
-def effective(request: Request, _: Viewer, instance: str | None = None, prompt_class: Annotated[str | None, Query(alias="class")] = None) -> Policy:
+def effective(
+    request: Request,
+    _: Viewer,
+    instance: str | None = None,
+    prompt_class: Annotated[str | None, Query(alias="class")] = None,
+) -> Policy:
     if prompt_class is not None and prompt_class not in request.app.state.known_classes:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
     doc = PolicyDocument.model_validate(request.app.state.policies.current().body)
@@ -163,8 +199,13 @@ def effective(request: Request, _: Viewer, instance: str | None = None, prompt_c
 
 
 @router.get("/engines/{instance}/settings", responses={304: {"description": "Unchanged since If-None-Match"}})
-def engine_settings(request: Request, response: Response, instance: str, _: Viewer,
-                    if_none_match: Annotated[str | None, Header()] = None) -> Any:
+def engine_settings(
+    request: Request,
+    response: Response,
+    instance: str,
+    _: Viewer,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Any:
     """What a (remote) engine instance should run; poll with If-None-Match."""
     current = request.app.state.policies.current()
     etag = _etag(current.version)
@@ -176,8 +217,9 @@ def engine_settings(request: Request, response: Response, instance: str, _: View
 
 
 @router.get("/audit")
-def audit(request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50,
-          offset: Offset = 0) -> list[dict[str, Any]]:
+def audit(
+    request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Offset = 0
+) -> list[dict[str, Any]]:
     return [
         {"id": a.id, "at": a.at.isoformat(), "actor": a.actor, "action": a.action, "reason": a.reason, "diff": a.diff}
         for a in request.app.state.policies.audit(limit, offset)

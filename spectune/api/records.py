@@ -16,7 +16,9 @@ from spectune.store.steps import percentile
 
 from .auth import ERRORS, ErrorOut, Offset, Viewer
 
-router = APIRouter(prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}})
+router = APIRouter(
+    prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}}
+)
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Window = Annotated[float, Query(gt=0, le=30 * 86_400, description="Look-back window in seconds")]
@@ -41,8 +43,13 @@ def _known_class(request: Request, prompt_class: str | None) -> None:
 
 @router.get("/records")
 def list_records(
-    request: Request, _: Viewer, limit: Limit = 100, cursor: str | None = None, instance: str | None = None,
-    prompt_class: Annotated[str | None, Query(alias="class")] = None, since: datetime | None = None,
+    request: Request,
+    _: Viewer,
+    limit: Limit = 100,
+    cursor: str | None = None,
+    instance: str | None = None,
+    prompt_class: Annotated[str | None, Query(alias="class")] = None,
+    since: datetime | None = None,
     until: datetime | None = None,
 ) -> dict[str, Any]:
     """Newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
@@ -77,31 +84,56 @@ class AcceptanceGroup(StrEnum):
 
 
 @router.get("/stats/acceptance")
-def acceptance(request: Request, _: Viewer, window_s: Window = 300.0, instance: str | None = None,
-               group_by: AcceptanceGroup = AcceptanceGroup.CLASS) -> dict[str, Any]:
+def acceptance(
+    request: Request,
+    _: Viewer,
+    window_s: Window = 300.0,
+    instance: str | None = None,
+    group_by: AcceptanceGroup = AcceptanceGroup.CLASS,
+) -> dict[str, Any]:
     since = datetime.now(UTC) - timedelta(seconds=window_s)
     db = request.app.state.db
     if group_by == AcceptanceGroup.BATCH:
         S = StepStat
-        query = select(S.batch_bucket, S.num_speculative_tokens, func.sum(S.steps), func.sum(S.num_draft_tokens),
-                       func.sum(S.num_accepted_tokens)).where(S.minute >= since.replace(second=0, microsecond=0))
+        query = select(
+            S.batch_bucket,
+            S.num_speculative_tokens,
+            func.sum(S.steps),
+            func.sum(S.num_draft_tokens),
+            func.sum(S.num_accepted_tokens),
+        ).where(S.minute >= since.replace(second=0, microsecond=0))
         if instance:
             query = query.where(S.instance_id == instance)
         with db.connect() as conn:
             rows = conn.execute(query.group_by(S.batch_bucket, S.num_speculative_tokens)).all()
-        return {"window_s": window_s, "group_by": group_by, "groups": [
-            {"batch_bucket": b, "n": n, "steps": steps, "drafted": d, "accepted": a, "acceptance": a / d if d else None}
-            for b, n, steps, d, a in rows]}
+        return {
+            "window_s": window_s,
+            "group_by": group_by,
+            "groups": [
+                {
+                    "batch_bucket": b,
+                    "n": n,
+                    "steps": steps,
+                    "drafted": d,
+                    "accepted": a,
+                    "acceptance": a / d if d else None,
+                }
+                for b, n, steps, d, a in rows
+            ],
+        }
     T = RequestRecordRow
-    query = select(T.prompt_class, T.drafted_per_position, T.accepted_per_position, T.num_draft_tokens,
-                   T.num_accepted_tokens).where(T.finish_time >= since)
+    query = select(
+        T.prompt_class, T.drafted_per_position, T.accepted_per_position, T.num_draft_tokens, T.num_accepted_tokens
+    ).where(T.finish_time >= since)
     if instance:
         query = query.where(T.instance_id == instance)
     with db.connect() as conn:
         rows = conn.execute(query).all()
     per_class: dict[str, dict[str, Any]] = {}
     for r in rows:
-        g = per_class.setdefault(r.prompt_class, {"requests": 0, "drafted": 0, "accepted": 0, "drafted_pos": [], "accepted_pos": []})
+        g = per_class.setdefault(
+            r.prompt_class, {"requests": 0, "drafted": 0, "accepted": 0, "drafted_pos": [], "accepted_pos": []}
+        )
         g["requests"] += 1
         g["drafted"] += r.num_draft_tokens
         g["accepted"] += r.num_accepted_tokens
@@ -111,8 +143,13 @@ def acceptance(request: Request, _: Viewer, window_s: Window = 300.0, instance: 
                 g[key][i] += v
     groups = []
     for cls, g in sorted(per_class.items()):
-        item = {"class": cls, "requests": g["requests"], "drafted": g["drafted"], "accepted": g["accepted"],
-                "acceptance": g["accepted"] / g["drafted"] if g["drafted"] else None}
+        item = {
+            "class": cls,
+            "requests": g["requests"],
+            "drafted": g["drafted"],
+            "accepted": g["accepted"],
+            "acceptance": g["accepted"] / g["drafted"] if g["drafted"] else None,
+        }
         if group_by == AcceptanceGroup.POSITION:
             item["positions"] = [
                 {"position": i, "drafted": d, "accepted": a, "acceptance": a / d if d else None}
@@ -123,12 +160,20 @@ def acceptance(request: Request, _: Viewer, window_s: Window = 300.0, instance: 
 
 
 @router.get("/stats/latency")
-def latency(request: Request, _: Viewer, window_s: Window = 300.0, instance: str | None = None,
-            prompt_class: Annotated[str | None, Query(alias="class")] = None) -> dict[str, Any]:
+def latency(
+    request: Request,
+    _: Viewer,
+    window_s: Window = 300.0,
+    instance: str | None = None,
+    prompt_class: Annotated[str | None, Query(alias="class")] = None,
+) -> dict[str, Any]:
     _known_class(request, prompt_class)
     T = RequestRecordRow
-    query = select(T.prompt_class, T.ttft_s, T.tpot_s, T.e2e_s, T.output_tokens).where(
-        T.finish_time >= datetime.now(UTC) - timedelta(seconds=window_s)).limit(200_000)
+    query = (
+        select(T.prompt_class, T.ttft_s, T.tpot_s, T.e2e_s, T.output_tokens)
+        .where(T.finish_time >= datetime.now(UTC) - timedelta(seconds=window_s))
+        .limit(200_000)
+    )
     if instance:
         query = query.where(T.instance_id == instance)
     if prompt_class:
@@ -138,18 +183,26 @@ def latency(request: Request, _: Viewer, window_s: Window = 300.0, instance: str
     out = []
     for cls in sorted({r.prompt_class for r in rows}):
         mine = [r for r in rows if r.prompt_class == cls]
-        entry: dict[str, Any] = {"class": cls, "requests": len(mine),
-                                 "output_tokens_per_s": sum(r.output_tokens for r in mine) / window_s}
+        entry: dict[str, Any] = {
+            "class": cls,
+            "requests": len(mine),
+            "output_tokens_per_s": sum(r.output_tokens for r in mine) / window_s,
+        }
         for metric in ("ttft_s", "tpot_s", "e2e_s"):
             values = sorted(getattr(r, metric) for r in mine if getattr(r, metric) is not None)
-            entry[metric] = {q: percentile(values, p) if values else None for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+            entry[metric] = {
+                q: percentile(values, p) if values else None for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+            }
         out.append(entry)
     return {"window_s": window_s, "classes": out}
 
 
 def _rows(request: Request, model: Any, order: Any, limit: int, offset: int) -> list[dict[str, Any]]:
     with request.app.state.db.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(select(model.__table__).order_by(order.desc()).limit(limit).offset(offset)).all()]
+        return [
+            dict(r._mapping)
+            for r in conn.execute(select(model.__table__).order_by(order.desc()).limit(limit).offset(offset)).all()
+        ]
 
 
 @router.get("/decisions")
