@@ -37,6 +37,7 @@ class _ClassSeries:
     output: Any
     drafted: Any
     accepted: Any
+    steps: Any
     rate: Any
     ttft: Any
     tpot: Any
@@ -56,6 +57,9 @@ class RequestMetrics:
         self.draft_tokens = Counter("spectune_draft_tokens", "Draft tokens proposed", ["class"], registry=registry)
         self.accepted_tokens = Counter(
             "spectune_accepted_tokens", "Draft tokens accepted", ["class"], registry=registry
+        )
+        self.spec_steps = Counter(
+            "spectune_spec_steps", "Verify steps (steps that checked drafts)", ["class"], registry=registry
         )
         self.accepted_per_position = Counter(
             "spectune_accepted_tokens_per_position",
@@ -116,6 +120,7 @@ class RequestMetrics:
                 output=self.output_tokens.labels(cls),
                 drafted=self.draft_tokens.labels(cls),
                 accepted=self.accepted_tokens.labels(cls),
+                steps=self.spec_steps.labels(cls),
                 rate=self.acceptance.labels(cls),
                 ttft=self.ttft.labels(cls),
                 tpot=self.tpot.labels(cls),
@@ -133,6 +138,7 @@ class RequestMetrics:
         if r.num_draft_tokens:
             c.drafted.inc(r.num_draft_tokens)
             c.accepted.inc(r.num_accepted_tokens)
+            c.steps.inc(r.num_spec_steps)
             c.rate.observe(r.num_accepted_tokens / r.num_draft_tokens)
             for pos, (drafted, accepted) in enumerate(zip(r.drafted_per_position, r.accepted_per_position)):
                 if drafted:

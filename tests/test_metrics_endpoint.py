@@ -45,6 +45,7 @@ def test_metrics_move_with_requests(served):
     assert delta("spectune_output_tokens_total", **{"class": "qa"}) == 27
     drafted = delta("spectune_draft_tokens_total", **{"class": "qa"})
     assert drafted > 0 and delta("spectune_accepted_tokens_total", **{"class": "qa"}) == drafted  # copy draft
+    assert delta("spectune_spec_steps_total", **{"class": "qa"}) == drafted / 3  # N=3, all accepted
     per_pos = [
         delta("spectune_accepted_tokens_per_position_total", **{"class": "qa", "position": str(k)}) for k in range(3)
     ]
