@@ -18,6 +18,7 @@ from spectune.engine.classifier import PromptClassifier
 from spectune.engine.core import SpecEngine
 from spectune.engine.openai_api import build_router, install_error_handlers
 from spectune.store.policies import PolicyRepository, Versioned
+from spectune.tuner.diagnosis_job import DiagnosisRunner
 from spectune.tuner.policy import PolicyDocument
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ def create_app(
     api_tokens: dict[str, TokenSpec],
     openai_api_key: str | None = None,
     follower: PolicyFollower | None = None,
+    diagnosis: DiagnosisRunner | None = None,
 ) -> FastAPI:
     """``follower``: this engine obeys a remote control plane instead of its own store."""
     control = EmbeddedControl(engine) if engine is not None and follower is None else None
@@ -70,6 +72,7 @@ def create_app(
         description="OpenAI-compatible serving with speculative decoding, and its control plane.",
     )
     app.state.db = db
+    app.state.diagnosis = diagnosis
     app.state.policies = repo
     app.state.api_tokens = api_tokens
     app.state.known_classes = set((engine.config.classifier if engine else PromptClassifier()).classes)

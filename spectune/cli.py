@@ -146,6 +146,55 @@ def models_tiny(out: Annotated[Path, typer.Argument(help="Output directory")]) -
         console.print(f"{name}: {path}")
 
 
+@app.command()
+def diagnose(
+    model: Annotated[str, typer.Option(help="Target model (HF dir).")],
+    draft_model: Annotated[str, typer.Option(help="Draft model (HF dir).")],
+    prompt_class: Annotated[str | None, typer.Option("--class", help="Diagnose this prompt class only.")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help='JSON lines {"class": ..., "prompt": ...}.')] = None,
+    db: Annotated[str | None, typer.Option(help="Also store the report in this database.")] = None,
+    max_new_tokens: int = 32,
+) -> None:
+    """Diagnose a draft against its target: expected acceptance per position, KL, disagreements,
+    attention entropy per layer, latency ratio, findings."""
+    import json
+
+    from rich.progress import Progress
+
+    from spectune.tuner.diagnose import DiagnosisInput, run_diagnosis, summary
+    from spectune.tuner.diagnosis_job import EVALUATION_SET
+
+    if prompts_file is not None:
+        try:
+            prompts = [(d["class"], d["prompt"]) for d in map(json.loads, prompts_file.read_text().splitlines()) if d]
+        except (ValueError, KeyError) as exc:
+            raise typer.BadParameter(f"{prompts_file}: each line must be JSON with class and prompt ({exc})") from exc
+    else:
+        prompts = EVALUATION_SET
+    if prompt_class:
+        prompts = [p for p in prompts if p[0] == prompt_class]
+        if not prompts:
+            raise typer.BadParameter(f"no prompts of class {prompt_class!r}")
+    with Progress(console=console) as progress:
+        task = progress.add_task("diagnosing", total=len(prompts))
+        report = run_diagnosis(
+            DiagnosisInput(target=model, draft=draft_model, prompts=prompts, max_new_tokens=max_new_tokens),
+            progress=lambda done, total: progress.update(task, completed=done),
+        )
+    if db:
+        from spectune.store.db import make_engine, upgrade
+        from spectune.store.diagnostics import finish_report, start_report
+
+        upgrade(db)
+        engine = make_engine(db)
+        report_id = start_report(engine, "cli", prompt_class)
+        finish_report(engine, report_id, report, summary(report))
+        console.print(f"stored as diagnostics report {report_id}")
+    for line in report["findings"]:
+        console.print(f"- {line}")
+    typer.echo(json.dumps({k: report[k] for k in ("classes", "latency", "findings")}, indent=2))
+
+
 Url = Annotated[str, typer.Option(envvar="SPECTUNE_URL", help="spectune base URL.")]
 Token = Annotated[str | None, typer.Option(envvar="SPECTUNE_API_TOKEN", help="API token (default: var/api-token).")]
 

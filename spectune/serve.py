@@ -31,6 +31,7 @@ from spectune.store.instances import heartbeat
 from spectune.store.metrics import RecorderCollector, RequestMetrics
 from spectune.store.recorder import Recorder
 from spectune.store.retention import expire_prompts, roll_up
+from spectune.tuner.diagnosis_job import DiagnosisRunner
 
 log = logging.getLogger(__name__)
 
@@ -124,5 +125,8 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
     )
     scheduler.start()
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
-    app = create_app(engine, db, api_tokens(settings), key, follower)
+    diagnosis = None
+    if config is not None and config.method == "draft_model" and config.draft_model:
+        diagnosis = DiagnosisRunner(db, config.model, config.draft_model)
+    app = create_app(engine, db, api_tokens(settings), key, follower, diagnosis)
     return Stack(app=app, engine=engine, scheduler=scheduler, collectors=collectors)

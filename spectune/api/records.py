@@ -9,12 +9,13 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, status
+from pydantic import BaseModel, Field
 from sqlalchemy import and_, func, or_, select
 
 from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
 from spectune.store.steps import percentile
 
-from .auth import ERRORS, ErrorOut, Offset, Viewer
+from .auth import ERRORS, ErrorOut, Offset, Operator, Viewer
 
 router = APIRouter(
     prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}}
@@ -213,6 +214,28 @@ def decisions(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 
 @router.get("/diagnostics")
 def diagnostics(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
     return _rows(request, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)
+
+
+class DiagnosisRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    prompt_class: str | None = Field(default=None, alias="class")
+    max_prompts: int = Field(default=8, ge=1, le=64)
+
+
+@router.post(
+    "/diagnostics",
+    status_code=status.HTTP_202_ACCEPTED,
+    responses={409: {"model": ErrorOut, "description": "No draft model to diagnose here"}},
+)
+def trigger_diagnosis(request: Request, body: DiagnosisRequest, _: Operator) -> dict[str, Any]:
+    """Start a draft diagnosis in the background; poll GET /diagnostics/{id}."""
+    runner = request.app.state.diagnosis
+    if runner is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, "no draft model is configured on this instance to diagnose")
+    _known_class(request, body.prompt_class)
+    report_id, _future = runner.submit("api", body.prompt_class, body.max_prompts)
+    return {"id": report_id, "status": "running"}
 
 
 @router.get("/diagnostics/{report_id}")

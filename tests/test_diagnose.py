@@ -1,0 +1,149 @@
+"""Draft diagnosis on the tiny family: a copy draft is accepted at every
+position, an independent one nowhere, and the findings say so.  Reports are
+stored when triggered from the API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from spectune.api.auth import Role, TokenSpec
+from spectune.app import create_app
+from spectune.store.db import make_engine, upgrade
+from spectune.store.models import DiagnosticsReport
+from spectune.tuner.diagnose import DiagnosisInput, block_acceptance, findings, run_diagnosis
+from spectune.tuner.diagnosis_job import DiagnosisRunner
+
+PROMPTS = [("qa", "the model draft"), ("long", "accept the token " * 8)]
+
+
+@pytest.fixture(scope="module")
+def reports(tiny):
+    return {
+        name: run_diagnosis(
+            DiagnosisInput(
+                target=str(tiny["target"]), draft=str(tiny[name]), prompts=PROMPTS, max_new_tokens=24, positions=4
+            )
+        )
+        for name in ("copy", "indep", "noised")
+    }
+
+
+def test_copy_draft_is_accepted_at_every_position(reports):
+    for c in reports["copy"]["classes"].values():
+        assert all(a > 0.999 for a in c["per_position_expected"])
+        assert c["greedy_agreement"] == 1.0 and c["kl"] < 1e-5
+    assert reports["copy"]["findings"][-1].startswith("draft too slow")  # same size as the target: ratio ~1
+
+
+def test_independent_draft_is_accepted_nowhere_and_the_findings_say_so(reports):
+    for c in reports["indep"]["classes"].values():
+        assert c["greedy_agreement"] < 0.05  # greedy acceptance ~ 0
+        assert c["expected_acceptance"] < 0.3 and c["per_position_expected"][1] < 0.1
+    assert any("disagrees with the target" in f for f in reports["indep"]["findings"])
+    noised = reports["noised"]["classes"]["qa"]
+    assert 0.3 < noised["expected_acceptance"] < 0.99  # in between
+    assert reports["indep"]["top_disagreements"][0]["expected_acceptance"] < 0.5
+    layers = reports["indep"]["attention_entropy"]
+    assert len(layers["target"]) == len(layers["draft"]) == 2 and all(e > 0 for e in layers["target"])
+
+
+def test_findings_rules():
+    base = {
+        "latency": {"ratio": 0.3},
+        "classes": {
+            "qa": {
+                "expected_acceptance": 0.8,
+                "greedy_agreement": 0.8,
+                "per_position_expected": [0.8, 0.6, 0.35, 0.2, 0.1],
+                "per_position_realised": [0.4],
+            }
+        },
+    }
+    out = findings(base)
+    assert any("lower N to 3" in f for f in out) and any("realised first-position" in f for f in out)
+    slow = {**base, "latency": {"ratio": 0.72}}
+    assert "draft too slow: cost ratio 0.72 > 0.6" in " ".join(findings(slow))
+    assert block_acceptance([1.0, 0.5, 0.5], 2) == [pytest.approx(2 / 3), pytest.approx(0.375)]
+
+
+def test_api_trigger_stores_a_report(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path}/d.db"
+    upgrade(url)
+    db = make_engine(url)
+    runner = DiagnosisRunner(db, str(tiny["target"]), str(tiny["indep"]))
+    tokens = {"ola": TokenSpec(token="op", role=Role.OPERATOR)}
+    with TestClient(create_app(None, db, tokens, diagnosis=runner)) as api:
+        r = api.post(
+            "/api/v1/diagnostics", json={"class": "qa", "max_prompts": 2}, headers={"Authorization": "Bearer op"}
+        )
+        assert r.status_code == 202
+        report_id = r.json()["id"]
+        deadline = time.time() + 120
+        while (row := api.get(f"/api/v1/diagnostics/{report_id}", headers={"Authorization": "Bearer op"}).json())[
+            "status"
+        ] == "running":
+            assert time.time() < deadline
+            time.sleep(0.5)
+        assert row["status"] == "done" and row["trigger"] == "api" and "disagrees" in row["summary"]
+        assert (
+            api.post("/api/v1/diagnostics", json={"class": "nope"}, headers={"Authorization": "Bearer op"}).status_code
+            == 404
+        )
+    runner.shutdown()
+    with TestClient(create_app(None, db, tokens)) as api:  # no draft configured here
+        assert api.post("/api/v1/diagnostics", json={}, headers={"Authorization": "Bearer op"}).status_code == 409
+
+
+def test_cli_stores_a_report(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path}/cli.db"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"class": c, "prompt": p}) for c, p in PROMPTS))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spectune.cli",
+            "diagnose",
+            "--model",
+            str(tiny["target"]),
+            "--draft-model",
+            str(tiny["copy"]),
+            "--prompts-file",
+            str(prompts),
+            "--db",
+            url,
+            "--max-new-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["classes"]["qa"]["greedy_agreement"] == 1.0
+    db = make_engine(url)
+    with db.connect() as conn:
+        row = conn.execute(select(DiagnosticsReport.__table__)).one()
+    assert (
+        row.trigger == "cli" and row.status == "done" and row.report["classes"]["long"]["expected_acceptance"] > 0.999
+    )
+
+
+def test_a_failing_diagnosis_is_recorded_not_raised(tmp_path):
+    url = f"sqlite:///{tmp_path}/f.db"
+    upgrade(url)
+    db = make_engine(url)
+    runner = DiagnosisRunner(db, str(tmp_path / "missing-target"), str(tmp_path / "missing-draft"))
+    report_id, future = runner.submit("api", None)
+    future.result(timeout=60)
+    with db.connect() as conn:
+        row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).one()
+    assert row.status == "failed" and row.error and row.finished_at is not None
+    runner.shutdown()
