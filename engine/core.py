@@ -282,6 +282,9 @@ class SpecEngine:
             raise InvalidRequestError(str(exc), param="spectune_class") from exc
         settings = self.settings
         n_now = settings.n_for(prompt_class, self._last_batch + 1, self.capacity)
+        probe = n_now == 0 and self.capacity > 0 and random.random() < settings.probe_fraction_for(prompt_class)
+        if probe:  # a switched-off class keeps being measured on a few requests
+            n_now = settings.n_for(prompt_class, self._last_batch + 1, self.capacity, probing=True)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -290,7 +293,7 @@ class SpecEngine:
             stop=req.stop or None,
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"spectune_class": prompt_class},
+            extra_args={"spectune_class": prompt_class, "spectune_probe": probe},
         )
         state = _RequestState(arrival=arrival, prompt_tokens=len(ids))
         if self.config.prompt_sample_rate and random.random() < self.config.prompt_sample_rate:

@@ -29,13 +29,15 @@ from vllm.v1.engine.core import EngineCore
 from .schema import RuntimeSettings
 
 CLASS_ARG = "spectune_class"
+PROBE_ARG = "spectune_probe"
 DEFAULT_CLASS = "default"
 
 
-def _request_class(request: Any) -> str:
+def _request_tag(request: Any) -> tuple[str, bool]:
+    """(prompt class, is a probe) from the request's sampling extra_args."""
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) or {}
-    return extra.get(CLASS_ARG, DEFAULT_CLASS)
+    return extra.get(CLASS_ARG, DEFAULT_CLASS), bool(extra.get(PROBE_ARG, False))
 
 
 class SpectuneScheduler(Scheduler):
@@ -44,7 +46,7 @@ class SpectuneScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.spectune_settings = RuntimeSettings(num_speculative_tokens=self.num_spec_tokens)
-        self._lookup_key: tuple[int, frozenset[str]] | None = None
+        self._lookup_key: tuple[int, frozenset[tuple[str, bool]]] | None = None
         self._last_batch_size = 1
 
     # -- control -------------------------------------------------------------
@@ -76,22 +78,22 @@ class SpectuneScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None or not request.spec_token_ids:
                 continue
-            limit = settings.n_for(_request_class(request), batch, self.num_spec_tokens)
+            prompt_class, probe = _request_tag(request)
+            limit = settings.n_for(prompt_class, batch, self.num_spec_tokens, probing=probe)
             if len(request.spec_token_ids) > limit:
                 request.spec_token_ids = request.spec_token_ids[:limit]
 
     def _refresh_lookup(self) -> None:
-        classes = frozenset(_request_class(r) for r in self.running) | frozenset(
-            _request_class(r) for r in self.waiting
-        )
+        classes = frozenset(_request_tag(r) for r in self.running) | frozenset(_request_tag(r) for r in self.waiting)
         key = (self.spectune_settings.version, classes)
         if key == self._lookup_key:
             return
         settings, cap = self.spectune_settings, self.num_spec_tokens
-        active = classes or frozenset({DEFAULT_CLASS})
+        active = classes or frozenset({(DEFAULT_CLASS, False)})
         # Index 0 unused: vLLM indexes the lookup by batch size directly.
         self.dynamic_sd_lookup = [0] + [
-            max(settings.n_for(c, b, cap) for c in active) for b in range(1, self.max_num_running_reqs + 1)
+            max(settings.n_for(c, b, cap, probing=probe) for c, probe in active)
+            for b in range(1, self.max_num_running_reqs + 1)
         ]
         self._lookup_key = key
 

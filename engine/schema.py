@@ -60,6 +60,7 @@ class ClassSettings(BaseModel):
     speculation_enabled: bool | None = None
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     batch_table: list[BatchRange] | None = None
+    probe_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _table(self) -> ClassSettings:
@@ -82,17 +83,25 @@ class RuntimeSettings(BaseModel):
     num_speculative_tokens: int = Field(default=3, ge=0)
     batch_table: list[BatchRange] | None = None
     classes: dict[str, ClassSettings] = Field(default_factory=dict)
+    probe_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of requests of a switched-off class that still speculate, so that "
+        "acceptance keeps being measured and speculation can come back",
+    )
 
     @model_validator(mode="after")
     def _table(self) -> RuntimeSettings:
         check_batch_table(self.batch_table)
         return self
 
-    def n_for(self, prompt_class: str, batch_size: int, capacity: int) -> int:
+    def n_for(self, prompt_class: str, batch_size: int, capacity: int, probing: bool = False) -> int:
         """N to use for a request of ``prompt_class`` in a batch of ``batch_size``.
 
         Class override beats global; a batch table entry covering the batch
         size beats the plain N; the result is clamped to the engine capacity.
+        A probe request ignores on/off and the table: it measures the class's N.
         """
         override = self.classes.get(prompt_class)
         enabled = self.speculation_enabled
@@ -105,6 +114,8 @@ class RuntimeSettings(BaseModel):
                 n = override.num_speculative_tokens
             if override.batch_table is not None:
                 table = override.batch_table
+        if probing:
+            return max(0, min(n, capacity))
         if not enabled:
             return 0
         for entry in table or ():
@@ -112,6 +123,12 @@ class RuntimeSettings(BaseModel):
                 n = entry.num_speculative_tokens
                 break
         return max(0, min(n, capacity))
+
+    def probe_fraction_for(self, prompt_class: str) -> float:
+        override = self.classes.get(prompt_class)
+        if override is not None and override.probe_fraction is not None:
+            return override.probe_fraction
+        return self.probe_fraction
 
 
 class RequestRecord(BaseModel):

@@ -4,6 +4,7 @@ alone, for a fleet of remote engines that follow it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -38,6 +39,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        app.state.loop = asyncio.get_running_loop()  # for jobs that run in other threads
         if engine is not None and not engine.started:  # tests may hand in a started engine
             await engine.start()
         current = repo.ensure((initial_policy(engine) if engine else PolicyDocument()).body(), "spectune")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -23,15 +24,18 @@ from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.control import PolicyFollower
 from spectune.engine import EngineConfig
+from spectune.engine.classifier import PromptClassifier
 from spectune.engine.core import SpecEngine
 from spectune.engine.sinks import JsonlSink, RecordSink
 from spectune.settings import Settings
 from spectune.store.db import make_engine, upgrade
 from spectune.store.instances import heartbeat
 from spectune.store.metrics import RecorderCollector, RequestMetrics
+from spectune.store.policies import Versioned
 from spectune.store.recorder import Recorder
 from spectune.store.retention import expire_prompts, roll_up
 from spectune.tuner.diagnosis_job import DiagnosisRunner
+from spectune.tuner.job import Tuner
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,26 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
     scheduler.start()
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
     diagnosis = None
-    if config is not None and config.method == "draft_model" and config.draft_model:
-        diagnosis = DiagnosisRunner(db, config.model, config.draft_model)
+    if engine is not None and config.method == "draft_model" and config.draft_model:
+        diagnosis = DiagnosisRunner(db, lambda: (engine.config.model, engine.config.draft_model or ""))
     app = create_app(engine, db, api_tokens(settings), key, follower, diagnosis)
+    if follower is None:  # a follower's policy belongs to its control plane's tuner
+
+        def on_change(written: Versioned) -> None:  # in the scheduler's thread
+            loop = getattr(app.state, "loop", None)
+            if loop is None:  # not serving yet: the lifespan applies the stored policy at start
+                return
+            asyncio.run_coroutine_threadsafe(app.state.on_policy_change(written), loop).result(timeout=120)
+
+        classes = (config.classifier if config else PromptClassifier()).classes
+        tuner = Tuner(
+            db,
+            set(classes),
+            on_change,
+            request_diagnosis=(lambda cls: diagnosis.submit("tuner", cls)) if diagnosis else None,
+            window=timedelta(seconds=settings.tuner_window_s),
+        )
+        scheduler.add_job(
+            tuner.run_once, "interval", seconds=settings.tuner_interval_s, id="tuner", max_instances=1, coalesce=True
+        )
     return Stack(app=app, engine=engine, scheduler=scheduler, collectors=collectors)

@@ -77,7 +77,7 @@ def test_api_trigger_stores_a_report(tiny, tmp_path):
     url = f"sqlite:///{tmp_path}/d.db"
     upgrade(url)
     db = make_engine(url)
-    runner = DiagnosisRunner(db, str(tiny["target"]), str(tiny["indep"]))
+    runner = DiagnosisRunner(db, lambda: (str(tiny["target"]), str(tiny["indep"])))
     tokens = {"ola": TokenSpec(token="op", role=Role.OPERATOR)}
     with TestClient(create_app(None, db, tokens, diagnosis=runner)) as api:
         r = api.post(
@@ -140,7 +140,7 @@ def test_a_failing_diagnosis_is_recorded_not_raised(tmp_path):
     url = f"sqlite:///{tmp_path}/f.db"
     upgrade(url)
     db = make_engine(url)
-    runner = DiagnosisRunner(db, str(tmp_path / "missing-target"), str(tmp_path / "missing-draft"))
+    runner = DiagnosisRunner(db, lambda: (str(tmp_path / "missing-target"), str(tmp_path / "missing-draft")))
     report_id, future = runner.submit("api", None)
     future.result(timeout=60)
     with db.connect() as conn:

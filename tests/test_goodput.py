@@ -90,3 +90,28 @@ def test_no_data_keeps_the_policy_n(c, current):
 def test_speedup_is_the_leviathan_bound_for_iid_acceptance():
     a, n, c = 0.7, 3, 0.2
     assert speedup([a] * n, n, c) == pytest.approx((1 - a ** (n + 1)) / ((1 - a) * (n * c + 1)))
+
+
+def _policy(**kw):
+    from spectune.tuner.policy import Policy
+
+    return Policy(**{"num_speculative_tokens": 3, "n_min": 1, "n_max": 6, **kw})
+
+
+def test_decide_class_off_on_and_n():
+    from spectune.tuner.decide import decide_class
+
+    # a bad draft: low acceptance and no speedup -> off, and a diagnosis is asked for
+    d = decide_class(_policy(), [400, 40, 4], [40, 4, 0], cost_ratio=0.3)
+    assert (d.action, d.enabled, d.diagnose) == ("off", False, True)
+    # an expensive draft at high acceptance -> off too, but it is not the draft's fault
+    d = decide_class(_policy(), [400, 360, 324], [360, 324, 291], cost_ratio=2.0)
+    assert (d.action, d.diagnose) == ("off", False)
+    # off class whose probes now look good -> back on
+    d = decide_class(_policy(speculation_enabled=False), [100, 95, 90], [95, 90, 86], cost_ratio=0.1)
+    assert d.action == "on" and d.enabled and d.n >= 3
+    # a good draft at N=3 with cheap drafting -> move N up (bounded step)
+    d = decide_class(_policy(), [400, 396, 392], [396, 392, 388], cost_ratio=0.05)
+    assert d.action == "set_n" and d.n == 5
+    # no data -> the policy stands
+    assert decide_class(_policy(), [3], [3], cost_ratio=0.3).action == "keep"

@@ -8,6 +8,7 @@ built-in evaluation set.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
@@ -68,16 +69,21 @@ def diagnose_and_store(
 
 
 class DiagnosisRunner:
-    """One diagnosis at a time, in a background thread."""
+    """One diagnosis at a time, in a background thread.
 
-    def __init__(self, db: Engine, target: str, draft: str) -> None:
-        self.db, self.target, self.draft = db, target, draft
+    ``models`` gives (target, draft) at submit time: the draft in service may
+    have changed since start-up.
+    """
+
+    def __init__(self, db: Engine, models: Callable[[], tuple[str, str]]) -> None:
+        self.db, self.models = db, models
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diagnosis")
 
     def submit(self, trigger: str, prompt_class: str | None, max_prompts: int = 8) -> tuple[int, Future]:
+        target, draft = self.models()
         report_id = start_report(self.db, trigger, prompt_class)
         future = self._pool.submit(
-            diagnose_and_store, self.db, self.target, self.draft, trigger, prompt_class, max_prompts, report_id
+            diagnose_and_store, self.db, target, draft, trigger, prompt_class, max_prompts, report_id
         )
         return report_id, future
 

@@ -47,6 +47,8 @@ class PolicyOverride(BaseModel):
     exploration_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     diagnosis_acceptance_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     diagnosis_min_requests: int | None = Field(default=None, ge=1, le=1_000_000)
+    draft_cost_prior: float | None = Field(default=None, ge=0.0, le=5.0)
+    min_gain: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class Policy(BaseModel):
@@ -71,6 +73,13 @@ class Policy(BaseModel):
     exploration_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     diagnosis_acceptance_threshold: float = Field(default=0.70, ge=0.0, le=1.0)
     diagnosis_min_requests: int = Field(default=50, ge=1, le=1_000_000)
+    draft_cost_prior: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=5.0,
+        description="Cost of one drafted+verified token relative to a plain step, used until step statistics fit one",
+    )
+    min_gain: float = Field(default=0.05, ge=0.0, le=1.0, description="Hysteresis: predicted gain needed to move N")
 
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
@@ -160,6 +169,7 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
             speculation_enabled=p.speculation_enabled,
             num_speculative_tokens=p.num_speculative_tokens,
             batch_table=batch_table(p),
+            probe_fraction=p.exploration_fraction,
         )
     return RuntimeSettings(
         version=version,
@@ -167,4 +177,5 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
         num_speculative_tokens=base.num_speculative_tokens,
         batch_table=batch_table(base),
         classes=per_class,
+        probe_fraction=base.exploration_fraction,
     )
