@@ -103,6 +103,7 @@ class SpecEngine:
         self._drained.set()
         self._rebuild_lock = asyncio.Lock()
         self._last_batch = 0
+        self._tasks: set[asyncio.Task] = set()
         # Called with (settings, capacity) whenever settings take effect.
         self.settings_listeners: list[Callable[[RuntimeSettings, int], None]] = []
 
@@ -167,6 +168,13 @@ class SpecEngine:
         )
         logger_cls = make_stat_logger(config.instance_id, self._on_step)
         return AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
+
+    def spawn(self, coroutine: Any) -> asyncio.Task:
+        """Run in the background, keeping a reference (the loop holds tasks only weakly)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def shutdown(self) -> None:
         self._admitting.clear()
@@ -355,7 +363,7 @@ class SpecEngine:
             # A crashing drafter must not become an outage: come back target-only.
             self.degraded_reason = f"engine died with speculation on: {exc}"[:2000]
             log.error("%s; rebuilding target-only", self.degraded_reason)
-            asyncio.get_running_loop().create_task(self.rebuild(self.config.target_only()))
+            self.spawn(self.rebuild(self.config.target_only()))
 
 
 @dataclass

@@ -70,7 +70,7 @@ class EmbeddedControl:
         ):
             # vLLM fixes the drafter at start-up: a method/drafter change is a managed rebuild.
             new = cfg.model_copy(update={"method": method, "draft_model": draft if method == "draft_model" else None})
-            asyncio.get_running_loop().create_task(self.engine.rebuild(new, settings))
+            self.engine.spawn(self.engine.rebuild(new, settings))
             return settings
         await self.engine.apply(settings)
         return settings

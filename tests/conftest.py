@@ -178,6 +178,7 @@ def served(tiny, tmp_path_factory):
         SPECTUNE_DTYPE="float32",
         SPECTUNE_SPOOL_DIR=str(root / "spool"),
         SPECTUNE_API_TOKENS=json.dumps(API_TOKENS),
+        SPECTUNE_TUNER_INTERVAL_S="86400",  # these tests set N themselves; the tuner has its own tests
     )
     proc, base = spawn_server(
         [

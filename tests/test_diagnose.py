@@ -39,7 +39,8 @@ def test_copy_draft_is_accepted_at_every_position(reports):
     for c in reports["copy"]["classes"].values():
         assert all(a > 0.999 for a in c["per_position_expected"])
         assert c["greedy_agreement"] == 1.0 and c["kl"] < 1e-5
-    assert reports["copy"]["findings"][-1].startswith("draft too slow")  # same size as the target: ratio ~1
+    # same weights as the target: the latency ratio is ~1 (timing on a shared CPU: a wide band)
+    assert 0.5 < reports["copy"]["latency"]["ratio"] < 2.0
 
 
 def test_independent_draft_is_accepted_nowhere_and_the_findings_say_so(reports):

@@ -60,6 +60,16 @@ def _per_token_latency(model: Any, ids: Any, steps: int = 16) -> float:
         return (time.perf_counter() - start) / steps
 
 
+def latency_ratio(target: Any, draft: Any, ids: Any, rounds: int = 3) -> tuple[float, float]:
+    """Median per-token decode time of each model, measured alternately after a warm-up."""
+    _per_token_latency(target, ids, 2), _per_token_latency(draft, ids, 2)
+    t, d = [], []
+    for _ in range(rounds):
+        t.append(_per_token_latency(target, ids))
+        d.append(_per_token_latency(draft, ids))
+    return sorted(t)[rounds // 2], sorted(d)[rounds // 2]
+
+
 def block_acceptance(overlaps: Sequence[float], positions: int) -> list[float]:
     """P(draft position k accepted) = mean over starts t of prod_{i<=k} overlap_{t+i}."""
     result = []
@@ -119,9 +129,10 @@ def run_diagnosis(inp: DiagnosisInput, progress: Callable[[int, int], None] | No
             )
         entropy_t.append(_entropy_per_layer(out_t.attentions))
         entropy_d.append(_entropy_per_layer(out_d.attentions))
-        if index < 2:
-            latency_t.append(_per_token_latency(target, ids))
-            latency_d.append(_per_token_latency(draft, ids))
+        if index == 0:
+            t_tok, d_tok = latency_ratio(target, draft, ids)
+            latency_t.append(t_tok)
+            latency_d.append(d_tok)
         if progress:
             progress(index + 1, len(inp.prompts))
     classes = {}
