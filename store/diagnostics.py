@@ -7,7 +7,8 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, select, update
 
-from .models import DiagnosticsReport, RequestRecordRow, SampledPrompt
+from .models import DiagnosticsReport, SampledPrompt
+from .tuner_inputs import acceptance_counts
 
 
 def start_report(db: Engine, trigger: str, prompt_class: str | None) -> int:
@@ -51,20 +52,7 @@ def sampled_prompts(db: Engine, prompt_class: str | None, limit: int) -> list[tu
 
 def realised_per_position(db: Engine, window: timedelta) -> dict[str, list[float]]:
     """accepted / drafted per draft position and class over the window, from the records."""
-    since = datetime.now(UTC) - window
-    sums: dict[str, tuple[list[int], list[int]]] = {}
-    with db.connect() as conn:
-        rows = conn.execute(
-            select(
-                RequestRecordRow.prompt_class,
-                RequestRecordRow.drafted_per_position,
-                RequestRecordRow.accepted_per_position,
-            ).where(RequestRecordRow.finish_time >= since)
-        )
-        for cls, drafted, accepted in rows:
-            d, a = sums.setdefault(cls, ([], []))
-            for target, values in ((d, drafted), (a, accepted)):
-                target += [0] * (len(values) - len(target))
-                for i, v in enumerate(values):
-                    target[i] += v
-    return {cls: [x / y if y else 0.0 for x, y in zip(a, d)] for cls, (d, a) in sums.items() if any(d)}
+    return {
+        cls: [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+        for cls, (drafted, accepted) in acceptance_counts(db, window).items()
+    }

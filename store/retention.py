@@ -12,17 +12,13 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Engine, and_, delete, select, tuple_
 
 from .models import RequestRecordRow, RequestRollup, SampledPrompt
+from .steps import add_positions
 
 
 def expire_prompts(db: Engine, now: datetime | None = None) -> int:
     """Delete sampled prompts past their expiry; returns how many."""
     with db.begin() as conn:
         return conn.execute(delete(SampledPrompt).where(SampledPrompt.expires_at < (now or datetime.now(UTC)))).rowcount
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
-    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
 
 
 def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chunk: int = 5000) -> int:
@@ -64,8 +60,8 @@ def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chun
                 g["errors"] += r["finish_reason"] == "error"
                 for key in ("output_tokens", "num_spec_steps", "num_draft_tokens", "num_accepted_tokens"):
                     g[key] += r[key]
-                g["drafted_per_position"] = _add_lists(g["drafted_per_position"], r["drafted_per_position"])
-                g["accepted_per_position"] = _add_lists(g["accepted_per_position"], r["accepted_per_position"])
+                add_positions(g["drafted_per_position"], r["drafted_per_position"])
+                add_positions(g["accepted_per_position"], r["accepted_per_position"])
                 g["ttft_s_sum"] += r["ttft_s"] or 0.0
                 g["e2e_s_sum"] += r["e2e_s"]
             key_cols = (
@@ -88,8 +84,12 @@ def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chun
                     )
                     continue
                 merged = {k: getattr(old, k) + v for k, v in g.items() if not k.endswith("_position")}
-                merged["drafted_per_position"] = _add_lists(old.drafted_per_position, g["drafted_per_position"])
-                merged["accepted_per_position"] = _add_lists(old.accepted_per_position, g["accepted_per_position"])
+                merged["drafted_per_position"] = add_positions(
+                    list(old.drafted_per_position), g["drafted_per_position"]
+                )
+                merged["accepted_per_position"] = add_positions(
+                    list(old.accepted_per_position), g["accepted_per_position"]
+                )
                 conn.execute(
                     RequestRollup.__table__.update()
                     .where(and_(*(c == v for c, v in zip(key_cols, key))))

@@ -11,9 +11,18 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from spectune.engine.schema import StepRecord
+
+
+def add_positions(total: list[int], values: Sequence[int]) -> list[int]:
+    """Element-wise ``total += values`` for per-position counts (``total`` grows as needed)."""
+    total += [0] * (len(values) - len(total))
+    for i, v in enumerate(values):
+        total[i] += v
+    return total
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -52,11 +61,7 @@ class StepAggregator:
             acc.tokens += step.num_scheduled_tokens
             acc.drafted += step.num_draft_tokens
             acc.accepted += step.num_accepted_tokens
-            positions = step.accepted_per_position
-            if len(acc.accepted_per_position) < len(positions):
-                acc.accepted_per_position += [0] * (len(positions) - len(acc.accepted_per_position))
-            for i, v in enumerate(positions):
-                acc.accepted_per_position[i] += v
+            add_positions(acc.accepted_per_position, step.accepted_per_position)
 
     def flush(self, final: bool = False, now: float | None = None) -> list[dict]:
         """Rows for minutes that have closed (all of them when ``final``)."""

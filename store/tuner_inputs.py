@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Engine, func, select
 
 from .models import RequestRecordRow, StepStat, TunerDecision
+from .steps import add_positions
 
 
 def acceptance_counts(db: Engine, window: timedelta) -> dict[str, tuple[list[int], list[int]]]:
@@ -21,10 +22,8 @@ def acceptance_counts(db: Engine, window: timedelta) -> dict[str, tuple[list[int
     with db.connect() as conn:
         for cls, drafted, accepted in conn.execute(query):
             d, a = out.setdefault(cls, ([], []))
-            for target, values in ((d, drafted), (a, accepted)):
-                target += [0] * (len(values) - len(target))
-                for i, v in enumerate(values):
-                    target[i] += v
+            add_positions(d, drafted)
+            add_positions(a, accepted)
     return out
 
 

@@ -166,11 +166,8 @@ def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
-def served(tiny, tmp_path_factory):
-    """`spectune serve` in a subprocess on the tiny models (copy draft, N=3 of 4)."""
-    root = tmp_path_factory.mktemp("serve")
-    records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
+def serve_tiny(tiny: dict[str, Path], root: Path, *args: str, timeout: float = 180, **env_overrides: str):
+    """`spectune serve` on the tiny models (copy draft, N=3 of capacity 4) with test tokens."""
     env = dict(
         os.environ,
         SPECTUNE_MAX_MODEL_LEN="512",
@@ -178,27 +175,56 @@ def served(tiny, tmp_path_factory):
         SPECTUNE_DTYPE="float32",
         SPECTUNE_SPOOL_DIR=str(root / "spool"),
         SPECTUNE_API_TOKENS=json.dumps(API_TOKENS),
-        SPECTUNE_TUNER_INTERVAL_S="86400",  # these tests set N themselves; the tuner has its own tests
+        **env_overrides,
     )
-    proc, base = spawn_server(
-        [
-            "--model",
-            str(tiny["target"]),
-            "--draft-model",
-            str(tiny["copy"]),
-            "-n",
-            "3",
-            "--max-speculative-tokens",
-            "4",
-            "--records",
-            str(records),
-            "--db",
-            db,
-        ],
-        env,
-        root / "server.log",
-        timeout=180,
-    )
+    model_args = ["--model", str(tiny["target"]), "--draft-model", str(tiny["copy"]), "-n", "3"]
+    return spawn_server([*model_args, "--max-speculative-tokens", "4", *args], env, root / "server.log", timeout)
+
+
+class CompletionLoad:
+    """Threads posting greedy completions until the block ends; failures are collected."""
+
+    def __init__(self, base: str, workers: int = 4, max_tokens: int = 24) -> None:
+        import threading
+
+        self.base, self.max_tokens, self.failures = base, max_tokens, []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run) for _ in range(workers)]
+
+    def _run(self) -> None:
+        import httpx
+
+        body = {
+            "model": "target",
+            "prompt": "the draft",
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set():
+                r = client.post(f"{self.base}/v1/completions", json=body)
+                if r.status_code != 200:
+                    self.failures.append(r.text)
+
+    def __enter__(self) -> CompletionLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+@pytest.fixture(scope="session")
+def served(tiny, tmp_path_factory):
+    """`spectune serve` in a subprocess on the tiny models (copy draft, N=3 of 4)."""
+    root = tmp_path_factory.mktemp("serve")
+    records, db = root / "records.jsonl", f"sqlite:///{root}/spectune.db"
+    # these tests set N themselves; the tuner has its own tests
+    proc, base = serve_tiny(tiny, root, "--records", str(records), "--db", db, SPECTUNE_TUNER_INTERVAL_S="86400")
     yield Served(base, records, db)
     proc.terminate()
     proc.wait(timeout=60)

@@ -3,12 +3,11 @@ requests run; the engine obeys at once; rollback restores it."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 
-from conftest import OPERATOR, VIEWER
+from conftest import OPERATOR, VIEWER, CompletionLoad
 
 
 def _records_since(base: str, since: float, prompt_class: str) -> list[dict]:
@@ -27,27 +26,7 @@ def _records_since(base: str, since: float, prompt_class: str) -> list[dict]:
 
 def test_change_n_for_a_class_while_serving_then_roll_back(served):
     base = served.base
-    failures, stop = [], threading.Event()
-
-    def load():
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                r = client.post(
-                    f"{base}/v1/completions",
-                    json={
-                        "model": "target",
-                        "prompt": "the draft",
-                        "max_tokens": 24,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                )
-                if r.status_code != 200:
-                    failures.append(r.text)
-
-    workers = [threading.Thread(target=load) for _ in range(4)]
-    [w.start() for w in workers]
-    try:
+    with CompletionLoad(base) as load:
         current = httpx.get(f"{base}/api/v1/policy", headers=VIEWER).json()
         start_version = current["version"]
         t0 = time.time()
@@ -71,11 +50,8 @@ def test_change_n_for_a_class_while_serving_then_roll_back(served):
         assert r.status_code == 200, r.text
         rolled_at = time.time()
         time.sleep(1.5)
-    finally:
-        stop.set()
-        [w.join() for w in workers]
     time.sleep(0.5)
-    assert failures == []
+    assert load.failures == []
     during = [r for r in _records_since(base, changed_at, "qa") if changed_at < r["arrival"] < rolled_at - 0.1]
     after = [r for r in _records_since(base, rolled_at, "qa") if r["arrival"] > rolled_at]
     assert during and all(

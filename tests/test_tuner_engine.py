@@ -4,15 +4,12 @@ back -> probes bring it back on."""
 
 from __future__ import annotations
 
-import json
-import os
-import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import API_TOKENS, OPERATOR, VIEWER, spawn_server
+from conftest import OPERATOR, VIEWER, CompletionLoad, serve_tiny
 
 INTERVAL = 3.0
 
@@ -20,32 +17,13 @@ INTERVAL = 3.0
 @pytest.fixture(scope="module")
 def tuned(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("tuned")
-    env = dict(
-        os.environ,
-        SPECTUNE_MAX_MODEL_LEN="512",
-        SPECTUNE_KV_CACHE_SPACE_GIB="1",
-        SPECTUNE_DTYPE="float32",
-        SPECTUNE_SPOOL_DIR=str(root / "spool"),
-        SPECTUNE_API_TOKENS=json.dumps(API_TOKENS),
+    proc, base = serve_tiny(
+        tiny,
+        root,
+        "--db",
+        f"sqlite:///{root}/t.db",
         SPECTUNE_TUNER_INTERVAL_S=str(INTERVAL),
         SPECTUNE_TUNER_WINDOW_S=str(INTERVAL),
-    )
-    proc, base = spawn_server(
-        [
-            "--model",
-            str(tiny["target"]),
-            "--draft-model",
-            str(tiny["copy"]),
-            "-n",
-            "3",
-            "--max-speculative-tokens",
-            "4",
-            "--db",
-            f"sqlite:///{root}/t.db",
-        ],
-        env,
-        root / "server.log",
-        timeout=180,
     )
     yield base
     proc.terminate()
@@ -78,28 +56,9 @@ def _ready(base: str) -> bool:
 
 
 def test_bad_draft_switches_the_class_off_and_back_on(tuned, tiny):
-    base, stop, failures = tuned, threading.Event(), []
-
-    def load():
-        with httpx.Client(timeout=120) as client:
-            while not stop.is_set():
-                r = client.post(
-                    f"{base}/v1/completions",
-                    json={
-                        "model": "target",
-                        "prompt": "the draft",
-                        "max_tokens": 16,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                )
-                if r.status_code != 200:
-                    failures.append(r.text)
-
+    base = tuned
     _patch(base, {"global": {"cooldown_s": INTERVAL, "exploration_fraction": 0.5, "draft_cost_prior": 0.2}})
-    workers = [threading.Thread(target=load) for _ in range(4)]
-    [w.start() for w in workers]
-    try:
+    with CompletionLoad(base, max_tokens=16) as load:
         time.sleep(2 * INTERVAL)
         assert _qa(base)["speculation_enabled"]  # a copy draft pays
         _patch(base, {"global": {"draft_model": str(tiny["indep"])}})  # managed rebuild to a bad draft
@@ -120,9 +79,6 @@ def test_bad_draft_switches_the_class_off_and_back_on(tuned, tiny):
         _wait(lambda: _ready(base), 120, "rebuild to the good draft")
         took = _wait(lambda: _qa(base)["speculation_enabled"], 6 * INTERVAL, "re-probe switching qa back on")
         print(f"qa back on {took:.1f} s after the good draft came up")
-    finally:
-        stop.set()
-        [w.join() for w in workers]
-    assert failures == []
+    assert load.failures == []
     audit = httpx.get(f"{base}/api/v1/audit", headers=VIEWER).json()
     assert any(a["actor"] == "tuner" for a in audit)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import and_, func, or_, select
 
 from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
-from spectune.store.steps import percentile
+from spectune.store.steps import add_positions, percentile
 
 from .auth import ERRORS, ErrorOut, Offset, Operator, Viewer
 
@@ -138,10 +138,8 @@ def acceptance(
         g["requests"] += 1
         g["drafted"] += r.num_draft_tokens
         g["accepted"] += r.num_accepted_tokens
-        for key, values in (("drafted_pos", r.drafted_per_position), ("accepted_pos", r.accepted_per_position)):
-            g[key] += [0] * (len(values) - len(g[key]))
-            for i, v in enumerate(values):
-                g[key][i] += v
+        add_positions(g["drafted_pos"], r.drafted_per_position)
+        add_positions(g["accepted_pos"], r.accepted_per_position)
     groups = []
     for cls, g in sorted(per_class.items()):
         item = {
