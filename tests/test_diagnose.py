@@ -148,3 +148,32 @@ def test_a_failing_diagnosis_is_recorded_not_raised(tmp_path):
         row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).one()
     assert row.status == "failed" and row.error and row.finished_at is not None
     runner.shutdown()
+
+
+def test_a_firing_alert_starts_a_linked_diagnosis(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path}/a.db"
+    upgrade(url)
+    db = make_engine(url)
+    runner = DiagnosisRunner(db, lambda: (str(tiny["target"]), str(tiny["indep"])))
+    tokens = {"ola": TokenSpec(token="op", role=Role.OPERATOR)}
+    alert = {
+        "status": "firing",
+        "labels": {"alertname": "SpecAcceptanceLow", "class": "qa"},
+        "startsAt": "2026-11-30T10:00:00Z",
+        "fingerprint": "f1",
+    }
+    payload = {"status": "firing", "alerts": [alert]}
+    auth = {"Authorization": "Bearer op"}
+    with TestClient(create_app(None, db, tokens, diagnosis=runner)) as api:
+        assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=auth).json()["stored"] == 1
+        assert api.post("/api/v1/alerts/alertmanager", json=payload, headers=auth).json()["stored"] == 0  # repeat
+        (event,) = api.get("/api/v1/alerts", headers=auth).json()
+        report_id = event["diagnosis_id"]
+        assert report_id is not None
+        deadline = time.time() + 120
+        while (row := api.get(f"/api/v1/diagnostics/{report_id}", headers=auth).json())["status"] == "running":
+            assert time.time() < deadline
+            time.sleep(0.5)
+        assert row["trigger"] == "alert" and row["prompt_class"] == "qa" and row["status"] == "done"
+        assert len(api.get("/api/v1/diagnostics", headers=auth).json()) == 1  # repeats start nothing
+    runner.shutdown()

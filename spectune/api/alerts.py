@@ -2,8 +2,8 @@
 
 Alertmanager re-sends a group's notification on every repeat interval; an
 alert is stored once per (fingerprint, status, startsAt), so repeats are
-idempotent.  (Triggering a draft diagnosis from a firing alert comes with
-the diagnostics job.)
+idempotent.  A newly firing alert starts a draft diagnosis (for its
+``class`` label, if any) and is linked to it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 
 from spectune.store.models import AlertEvent
 
@@ -46,7 +46,7 @@ class WebhookIn(BaseModel):
 
 @router.post("/alerts/alertmanager")
 def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> dict[str, Any]:
-    stored = 0
+    stored, firing = 0, []
     now = datetime.now(UTC)
     with request.app.state.db.begin() as conn:
         for alert in payload.alerts:
@@ -60,7 +60,7 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
             ).first()
             if seen is not None:
                 continue
-            conn.execute(
+            event = conn.execute(
                 insert(AlertEvent).values(
                     fingerprint=alert.fingerprint,
                     status=alert.status,
@@ -71,4 +71,12 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
                 )
             )
             stored += 1
+            if alert.status == "firing":
+                firing.append((event.inserted_primary_key[0], alert.labels.get("class")))
+    runner = request.app.state.diagnosis
+    for event_id, prompt_class in firing if runner is not None else ():
+        known = prompt_class if prompt_class in request.app.state.known_classes else None
+        report_id, _ = runner.submit("alert", known)
+        with request.app.state.db.begin() as conn:
+            conn.execute(update(AlertEvent).where(AlertEvent.id == event_id).values(diagnosis_id=report_id))
     return {"received": len(payload.alerts), "stored": stored}
