@@ -74,6 +74,17 @@ def test_findings_rules():
     assert block_acceptance([1.0, 0.5, 0.5], 2) == [pytest.approx(2 / 3), pytest.approx(0.375)]
 
 
+def _finished_report(api: TestClient, report_id: int, timeout: float = 120) -> dict:
+    """Poll GET /diagnostics/{id} until the background diagnosis is no longer running."""
+    deadline = time.time() + timeout
+    while (row := api.get(f"/api/v1/diagnostics/{report_id}", headers={"Authorization": "Bearer op"}).json())[
+        "status"
+    ] == "running":
+        assert time.time() < deadline, f"diagnosis {report_id} still running after {timeout:.0f} s"
+        time.sleep(0.5)
+    return row
+
+
 def test_api_trigger_stores_a_report(tiny, tmp_path):
     url = f"sqlite:///{tmp_path}/d.db"
     upgrade(url)
@@ -86,12 +97,7 @@ def test_api_trigger_stores_a_report(tiny, tmp_path):
         )
         assert r.status_code == 202
         report_id = r.json()["id"]
-        deadline = time.time() + 120
-        while (row := api.get(f"/api/v1/diagnostics/{report_id}", headers={"Authorization": "Bearer op"}).json())[
-            "status"
-        ] == "running":
-            assert time.time() < deadline
-            time.sleep(0.5)
+        row = _finished_report(api, report_id)
         assert row["status"] == "done" and row["trigger"] == "api" and "disagrees" in row["summary"]
         assert (
             api.post("/api/v1/diagnostics", json={"class": "nope"}, headers={"Authorization": "Bearer op"}).status_code
@@ -170,10 +176,7 @@ def test_a_firing_alert_starts_a_linked_diagnosis(tiny, tmp_path):
         (event,) = api.get("/api/v1/alerts", headers=auth).json()
         report_id = event["diagnosis_id"]
         assert report_id is not None
-        deadline = time.time() + 120
-        while (row := api.get(f"/api/v1/diagnostics/{report_id}", headers=auth).json())["status"] == "running":
-            assert time.time() < deadline
-            time.sleep(0.5)
+        row = _finished_report(api, report_id)
         assert row["trigger"] == "alert" and row["prompt_class"] == "qa" and row["status"] == "done"
         assert len(api.get("/api/v1/diagnostics", headers=auth).json()) == 1  # repeats start nothing
     runner.shutdown()
