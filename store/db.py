@@ -14,7 +14,6 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, insert
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import sessionmaker
 
 from spectune.engine.schema import RequestRecord
 
@@ -39,10 +38,6 @@ def make_engine(url: str = DEFAULT_URL, **kwargs: Any) -> Engine:
             cursor.close()
 
     return engine
-
-
-def session_factory(engine: Engine) -> sessionmaker:
-    return sessionmaker(engine, expire_on_commit=False)
 
 
 def alembic_config(url: str):
