@@ -30,7 +30,7 @@ from spectune.engine.sinks import JsonlSink, RecordSink
 from spectune.settings import Settings
 from spectune.store.db import make_engine, upgrade
 from spectune.store.instances import heartbeat
-from spectune.store.metrics import RecorderCollector, RequestMetrics
+from spectune.store.metrics import RecorderCollector, RequestMetrics, TunerMetrics
 from spectune.store.policies import Versioned
 from spectune.store.recorder import Recorder
 from spectune.store.retention import expire_prompts, roll_up
@@ -40,6 +40,17 @@ from spectune.tuner.job import Tuner
 log = logging.getLogger(__name__)
 
 _METRICS: RequestMetrics | None = None
+
+
+_TUNER_METRICS: TunerMetrics | None = None
+
+
+def tuner_metrics() -> TunerMetrics:
+    """The process-wide tuner metrics (Prometheus refuses duplicate series names)."""
+    global _TUNER_METRICS
+    if _TUNER_METRICS is None:
+        _TUNER_METRICS = TunerMetrics(REGISTRY)
+    return _TUNER_METRICS
 
 
 def request_metrics() -> RequestMetrics:
@@ -148,6 +159,9 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
             on_change,
             request_diagnosis=(lambda cls: diagnosis.submit("tuner", cls)) if diagnosis else None,
             window=timedelta(seconds=settings.tuner_window_s),
+            interval=timedelta(seconds=settings.tuner_interval_s),
+            cost_window=timedelta(seconds=settings.tuner_cost_window_s),
+            on_decisions=tuner_metrics().observe,
         )
         scheduler.add_job(
             tuner.run_once, "interval", seconds=settings.tuner_interval_s, id="tuner", max_instances=1, coalesce=True

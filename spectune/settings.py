@@ -33,7 +33,10 @@ class Settings(BaseSettings):
     records_path: Path | None = Field(default=None, description="Also append records as JSON lines here")
     retention_days: float = Field(default=7.0, gt=0)
     tuner_interval_s: float = Field(default=60.0, gt=0, description="How often the tuner decides")
-    tuner_window_s: float = Field(default=300.0, gt=0, description="How far back the tuner looks")
+    tuner_window_s: float = Field(default=300.0, gt=0, description="How far back the tuner looks for acceptance")
+    tuner_cost_window_s: float = Field(
+        default=3600.0, gt=0, description="How far back the tuner looks for step times (the cost model)"
+    )
     prompt_sample_rate: float = Field(
         default=0.0, ge=0.0, le=1.0, description="Opt-in: fraction of prompts kept for diagnostics"
     )

@@ -54,5 +54,5 @@ def realised_per_position(db: Engine, window: timedelta) -> dict[str, list[float
     """accepted / drafted per draft position and class over the window, from the records."""
     return {
         cls: [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
-        for cls, (drafted, accepted) in acceptance_counts(db, window).items()
+        for cls, (drafted, accepted) in acceptance_counts(db, datetime.now(UTC) - window).items()
     }

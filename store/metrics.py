@@ -187,3 +187,44 @@ class RecorderCollector:
             "spectune_database_up", "1 when the last database write succeeded", value=1 if s.db_up else 0
         )
         yield GaugeMetricFamily("spectune_spool_bytes", "Bytes in the spool not yet deleted", value=self._spool_bytes())
+
+
+class TunerMetrics:
+    """The tuner's view for alerting: what it predicts for the speculation in force.
+
+    PromQL:
+        speculation in force predicted to lose (alert after 10m)
+            spectune_predicted_speedup < 1
+        seconds since the tuner last changed a class
+            time() - spectune_tuner_last_change_timestamp_seconds
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.predicted = Gauge(
+            "spectune_predicted_speedup",
+            "Goodput model's speedup for the N in force (busiest batch bucket); 1 when speculation is off",
+            ["class"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "spectune_tuner_decisions", "Tuner decisions", ["class", "action", "applied"], registry=registry
+        )
+        self.last_change = Gauge(
+            "spectune_tuner_last_change_timestamp_seconds",
+            "Unix time of the tuner's last applied change per class",
+            ["class"],
+            registry=registry,
+        )
+
+    def observe(self, decisions: Iterable[dict[str, Any]]) -> None:
+        for d in decisions:
+            cls = d["prompt_class"]
+            self.decisions.labels(cls, d["action"], "true" if d["applied"] else "false").inc()
+            in_force = d["inputs"].get("in_force_speedup")
+            n_in_force = d["n_after"] if d["applied"] else d["n_before"]
+            if n_in_force == 0:
+                self.predicted.labels(cls).set(1.0)
+            elif in_force is not None:
+                self.predicted.labels(cls).set(in_force)
+            if d["applied"]:
+                self.last_change.labels(cls).set(d["at"].timestamp())

@@ -9,6 +9,7 @@ kept, and every change leaves an audit entry (who, when, why, what changed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -50,9 +51,13 @@ def json_diff(before: Any, after: Any, path: str = "") -> list[dict[str, Any]]:
     return [] if before == after else [{"path": path or "/", "before": before, "after": after}]
 
 
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
 class PolicyRepository:
-    def __init__(self, db: Engine) -> None:
-        self.db = db
+    def __init__(self, db: Engine, clock: Callable[[], datetime] = _utc_now) -> None:
+        self.db, self.clock = db, clock
 
     def current(self) -> Versioned | None:
         with self.db.connect() as conn:
@@ -64,7 +69,7 @@ class PolicyRepository:
         existing = self.current()
         if existing is not None:
             return existing
-        now = datetime.now(UTC)
+        now = self.clock()
         with self.db.begin() as conn:
             conn.execute(insert(Policy).values(scope=SCOPE, version=1, body=body, updated_at=now, updated_by=actor))
             conn.execute(
@@ -83,7 +88,7 @@ class PolicyRepository:
         return Versioned(1, body, now, actor)
 
     def write(self, body: dict[str, Any], expected: int, actor: str, reason: str | None, action: str) -> Versioned:
-        now = datetime.now(UTC)
+        now = self.clock()
         with self.db.begin() as conn:
             old = conn.execute(select(Policy.__table__).where(Policy.scope == SCOPE)).one()
             result = conn.execute(

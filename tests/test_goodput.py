@@ -38,9 +38,9 @@ def test_cost_ratio_fit_and_fallback():
 
 
 def test_off_when_speculation_does_not_pay():
-    d = choose_n([0.05] * 8, cost_ratio=0.4, current=3, n_min=1, n_max=8)
+    d = choose_n([0.05] * 8, cost=0.4, current=3, n_min=1, n_max=8)
     assert d.n == 0 and d.best_n == 0
-    d = choose_n([0.95] * 8, cost_ratio=0.05, current=0, n_min=1, n_max=8)
+    d = choose_n([0.95] * 8, cost=0.05, current=0, n_min=1, n_max=8)
     assert d.n == d.best_n >= 5  # back on in one move
 
 
@@ -102,16 +102,66 @@ def test_decide_class_off_on_and_n():
     from spectune.tuner.decide import decide_class
 
     # a bad draft: low acceptance and no speedup -> off, and a diagnosis is asked for
-    d = decide_class(_policy(), [400, 40, 4], [40, 4, 0], cost_ratio=0.3)
+    d = decide_class(_policy(), [400, 40, 4], [40, 4, 0], cost=0.3)
     assert (d.action, d.enabled, d.diagnose) == ("off", False, True)
     # an expensive draft at high acceptance -> off too, but it is not the draft's fault
-    d = decide_class(_policy(), [400, 360, 324], [360, 324, 291], cost_ratio=2.0)
+    d = decide_class(_policy(), [400, 360, 324], [360, 324, 291], cost=2.0)
     assert (d.action, d.diagnose) == ("off", False)
     # off class whose probes now look good -> back on
-    d = decide_class(_policy(speculation_enabled=False), [100, 95, 90], [95, 90, 86], cost_ratio=0.1)
+    d = decide_class(_policy(speculation_enabled=False), [100, 95, 90], [95, 90, 86], cost=0.1)
     assert d.action == "on" and d.enabled and d.n >= 3
     # a good draft at N=3 with cheap drafting -> move N up (bounded step)
-    d = decide_class(_policy(), [400, 396, 392], [396, 392, 388], cost_ratio=0.05)
+    d = decide_class(_policy(), [400, 396, 392], [396, 392, 388], cost=0.05)
     assert d.action == "set_n" and d.n == 5
     # no data -> the policy stands
-    assert decide_class(_policy(), [3], [3], cost_ratio=0.3).action == "keep"
+    assert decide_class(_policy(), [3], [3], cost=0.3).action == "keep"
+
+
+def test_cost_per_bucket_fits_borrows_and_falls_back():
+    from spectune.tuner.goodput import costs_by_bucket
+
+    costs = costs_by_bucket({1: {0: 0.10, 2: 0.12}, 4: {3: 0.30}, 16: {3: 0.9}}, prior=0.5)
+    assert (
+        costs[1].source == "fit" and costs[1].cost_ratio == pytest.approx(0.1) and costs[1].t0_s == pytest.approx(0.1)
+    )
+    # one N only: c from the nearest fitted bucket, t0 from its own step time
+    assert costs[4].source == "bucket 1" and costs[4].t0_s == pytest.approx(0.30 / 1.3)
+    assert costs_by_bucket({2: {3: 0.2}}, prior=0.5)[2].source == "prior"
+
+
+def test_batch_table_switches_off_where_verification_is_dear():
+    from spectune.tuner.decide import decide_batch_table
+    from spectune.tuner.goodput import CostFit
+
+    policy = _policy(n_min=0, n_max=8)
+    alphas = [0.8] * 8
+    costs = {1: CostFit(0.1, 0.05, "fit"), 4: CostFit(0.2, 0.3, "fit"), 8: CostFit(0.3, 1.5, "fit")}
+    table = decide_batch_table(policy, alphas, costs, class_n=3)
+    as_tuples = [(e.min_batch, e.max_batch, e.num_speculative_tokens) for e in table]
+    assert as_tuples[-1] == (5, 4096, 0)  # the dearest, top bucket: off from batch 5 up
+    assert any(lo == 1 and n > 3 for lo, _, n in as_tuples)  # cheap at batch 1: more than the class N
+    # a prior-only bucket keeps what it had; a cost probe runs N=0 in its bucket only
+    costs[4] = CostFit(0.2, 0.3, "prior")
+    probed = decide_batch_table(policy, alphas, costs, class_n=3, cost_probes={4})
+    assert (3, 4, 0) in [(e.min_batch, e.max_batch, e.num_speculative_tokens) for e in probed]
+
+
+@settings(max_examples=200, deadline=None)
+@given(alpha, st.floats(0.0, 0.5), st.floats(0.0, 2.0))
+def test_batch_table_never_gives_a_dearer_bucket_a_larger_n(a, cheap, extra):
+    from spectune.tuner.decide import decide_batch_table, n_at
+    from spectune.tuner.goodput import CostFit
+
+    policy = _policy(n_min=0, n_max=8, min_gain=0.0)
+    costs = {1: CostFit(0.1, cheap, "fit"), 8: CostFit(0.3, cheap + extra, "fit")}
+    table = decide_batch_table(policy, [a] * 8, costs, class_n=3)
+    assert n_at(table, 8, 3) <= n_at(table, 1, 3)
+
+
+def test_a_shift_in_acceptance_is_detected_and_noise_is_not():
+    from spectune.tuner.goodput import acceptance_shifted
+
+    long = position_acceptance([1000, 900], [900, 800])  # ~0.9
+    assert acceptance_shifted(long, position_acceptance([100, 20], [20, 2]), min_trials=30)  # ~0.2 now
+    assert not acceptance_shifted(long, position_acceptance([100, 90], [88, 79]), min_trials=30)
+    assert not acceptance_shifted(long, position_acceptance([10, 2], [2, 0]), min_trials=30)  # too few

@@ -82,3 +82,88 @@ def test_frozen_decides_nothing_and_cooldown_holds(setup):
     first = tuner.run_once()
     assert any(d["applied"] for d in first)
     assert [d for d in tuner.run_once() if d["prompt_class"] == "qa"] == []  # qa is cooling down
+
+
+def _good_records(n: int, at: float, prefix: str):
+    return [
+        r.model_copy(
+            update={
+                "prompt_class": "qa",
+                "drafted_per_position": [10, 10, 10],
+                "accepted_per_position": [9, 8, 7],
+                "num_draft_tokens": 30,
+                "num_accepted_tokens": 24,
+                "num_spec_steps": 10,
+                "finish_time": at,
+            }
+        )
+        for r in make_records(n, prefix=prefix)
+    ]
+
+
+def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200):
+    from spectune.store.db import insert_ignoring_duplicates, utc
+    from spectune.store.models import StepStat
+
+    rows = [
+        dict(
+            instance_id="i",
+            minute=utc(minute),
+            batch_bucket=b,
+            num_speculative_tokens=n,
+            writer="w",
+            steps=steps,
+            step_time_sum_s=t * steps,
+            step_time_p50_s=t,
+            step_time_p95_s=t,
+            batch_size_sum=b * steps,
+            scheduled_tokens=b * (n + 1) * steps,
+            num_draft_tokens=b * n * steps,
+            num_accepted_tokens=0,
+            accepted_per_position=[],
+        )
+        for b, per in per_bucket.items()
+        for n, t in per.items()
+    ]
+    insert_ignoring_duplicates(db, StepStat.__table__, rows)
+
+
+def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
+    from datetime import UTC, datetime
+
+    url = f"sqlite:///{tmp_path}/t.db"
+    upgrade(url)
+    db = make_engine(url)
+    now = [datetime(2026, 1, 1, 12, tzinfo=UTC).timestamp()]
+    clock = lambda: datetime.fromtimestamp(now[0], UTC)  # noqa: E731
+    changes = []
+    tuner = Tuner(db, {"qa"}, changes.append, interval=timedelta(minutes=1), clock=clock)
+    PolicyRepository(db, clock=clock).ensure(
+        PolicyDocument(global_=Policy(cooldown_s=0, n_min=0, n_max=6)).body(), "test"
+    )
+    # Batch 1 is cheap to verify (fitted from N=0 and N=3); batch 8 has been seen at N=3 only.
+    _steps(db, now[0] - 120, {1: {0: 0.10, 3: 0.13}, 8: {3: 0.80}})
+    insert_records(db, _good_records(20, now[0] - 30, "a"))
+    (first,) = tuner.run_once()
+    assert first["applied"] and first["inputs"]["cost_probes"] == [8]
+    assert {"min_batch": 5, "max_batch": 8, "num_speculative_tokens": 0} in first["inputs"]["batch_table"]  # probe only
+    # The probe measures batch 8 at N=0: N=3 costs 4x there, so batch 8 stays off; batch 1 goes up.
+    now[0] += 60
+    _steps(db, now[0] - 60, {1: {first["n_after"]: 0.10 + 0.01 * first["n_after"]}, 8: {0: 0.20}})
+    insert_records(db, _good_records(20, now[0] - 10, "b"))
+    (second,) = tuner.run_once()
+    costs = second["inputs"]["costs"]
+    assert costs["8"]["source"] == "fit" and costs["8"]["cost_ratio"] == pytest.approx(1.0, rel=0.01)
+    table = {(e["min_batch"], e["max_batch"]): e["num_speculative_tokens"] for e in second["inputs"]["batch_table"]}
+    assert table[(5, 4096)] == 0 and second["inputs"]["cost_probes"] == []
+    assert changes[-1].body["classes"]["qa"]["batch_table"] == second["inputs"]["batch_table"]
+    # A later run closes the first decision with a realised speedup from what was measured after it.
+    now[0] += 60
+    tuner.run_once()
+    from sqlalchemy import select
+
+    from spectune.store.models import TunerDecision
+
+    with db.connect() as conn:
+        realised = dict(conn.execute(select(TunerDecision.id, TunerDecision.realised_speedup)).all())
+    assert realised[1] is not None and realised[1] > 1.0

@@ -4,7 +4,10 @@ Inputs: the effective policy, per-position draft counts from the records,
 the cost ratio, and what is in force.  Output: keep, set N, switch off (and
 ask for a diagnosis) or switch back on -- with the predicted speedup and the
 reason.  Acceptance alone never switches a class off: predicted speedup
-below 1 must agree.
+below 1 must agree.  The class-level decision is made at the busiest batch
+bucket; a draft that is merely too dear there switches the class off only
+when it pays at no other bucket (``pays_elsewhere``).  ``decide_batch_table``
+then sets N per batch bucket, which is where "off at high batch" comes from.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .goodput import choose_n, position_acceptance, speedup
-from .policy import Policy
+from spectune.engine.schema import BatchRange
 
-Action = Literal["keep", "set_n", "off", "on"]
-MIN_DRAFTS = 30  # below this many first-position trials the prior dominates: decide nothing
+from .goodput import MIN_TRIALS, CostFit, bucket_sizes, choose_n, position_acceptance, speedup
+from .policy import MAX_BATCH, Policy, overlay
+
+# explore and cost_probe are one-interval measurements: they do not start a cooldown.
+Action = Literal["keep", "set_n", "explore", "off", "on", "set_table", "cost_probe"]
+MIN_DRAFTS = MIN_TRIALS  # below this many first-position trials the prior dominates: decide nothing
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,12 @@ class ClassDecision:
 
 
 def decide_class(
-    policy: Policy, drafted: list[int], accepted: list[int], cost_ratio: float, reprobe_margin: float = 0.1
+    policy: Policy,
+    drafted: list[int],
+    accepted: list[int],
+    cost: float | CostFit,
+    reprobe_margin: float = 0.1,
+    pays_elsewhere: bool = False,
 ) -> ClassDecision:
     enabled, current = policy.speculation_enabled, policy.num_speculative_tokens
     if not drafted or drafted[0] < MIN_DRAFTS:
@@ -47,9 +58,17 @@ def decide_class(
     est = position_acceptance(drafted, accepted)
     alphas = list(est.mean)
     rate = sum(accepted) / max(1, sum(drafted))
-    here = speedup(alphas, current, cost_ratio)
+    here = speedup(alphas, current, cost)
     choice = choose_n(
-        alphas, cost_ratio, current if enabled else 0, policy.n_min, policy.n_max, min_gain=policy.min_gain, max_step=2
+        alphas,
+        cost,
+        current if enabled else 0,
+        policy.n_min,
+        policy.n_max,
+        min_gain=policy.min_gain,
+        max_step=2,
+        explore_margin=policy.explore_margin,
+        position_samples=est.samples,
     )
     if not enabled:
         # Off: data come from probe requests. Back on only with margin, at the best N.
@@ -66,7 +85,8 @@ def decide_class(
                 f"probes predict {choice.best_speedup:.2f}x at N={n} (> 1 + {reprobe_margin:.0%})",
             )
         return ClassDecision("keep", False, current, choice.best_speedup, rate, False, "still does not pay")
-    if here < 1.0 and (rate < policy.acceptance_floor or choice.best_n == 0):
+    # Off only when no N pays here; a draft that merely accepts less runs at a smaller N instead.
+    if here < 1.0 and choice.best_n == 0 and (rate < policy.acceptance_floor or not pays_elsewhere):
         low = rate < policy.acceptance_floor
         why = f"acceptance {rate:.0%} < floor {policy.acceptance_floor:.0%} and " if low else ""
         return ClassDecision(
@@ -79,5 +99,51 @@ def decide_class(
             f"{why}predicted speedup {here:.2f}x < 1 at N={current}: speculation off",
         )
     if choice.n != current and choice.n > 0:
-        return ClassDecision("set_n", True, choice.n, choice.predicted_speedup, rate, False, choice.reason)
+        action: Action = "explore" if choice.explore else "set_n"
+        return ClassDecision(action, True, choice.n, choice.predicted_speedup, rate, False, choice.reason)
     return ClassDecision("keep", True, current, here, rate, False, choice.reason)
+
+
+def n_at(table: list[BatchRange], batch_size: int, default: int) -> int:
+    for entry in table:
+        if entry.min_batch <= batch_size <= entry.max_batch:
+            return entry.num_speculative_tokens
+    return default
+
+
+def decide_batch_table(
+    policy: Policy,
+    alphas: list[float],
+    costs: dict[int, CostFit],
+    class_n: int,
+    cost_probes: set[int] = frozenset(),
+    class_bucket: int | None = None,
+) -> list[BatchRange]:
+    """N per batch bucket from the goodput model, as a batch-size table.
+
+    Buckets with a cost model (fitted or borrowed) get the goodput argmax,
+    with hysteresis against what runs there now; buckets on the prior alone
+    keep their entry; ``cost_probes`` run at N=0 for one interval.  Entries
+    equal to the class N are dropped; a top bucket at N=0 extends to every
+    larger batch (verification only gets dearer with batch size).
+    ``class_bucket`` (the busiest) runs the class N, decided by ``decide_class``.
+    """
+    current = policy.batch_table
+    decided: dict[int, int] = {}
+    for bucket, cost in costs.items():
+        here = n_at(current, bucket, class_n)
+        if bucket in cost_probes:
+            decided[bucket] = 0
+        elif bucket == class_bucket:
+            decided[bucket] = class_n
+        elif cost.source != "prior":
+            decided[bucket] = choose_n(alphas, cost, here, policy.n_min, policy.n_max, min_gain=policy.min_gain).n
+    top = max(decided, default=None)
+    new: list[BatchRange] = []
+    for bucket, n in decided.items():
+        lo, hi = bucket_sizes(bucket)
+        if bucket == top and n == 0 and bucket not in cost_probes:
+            hi = MAX_BATCH
+        new.append(BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=n))
+    table = overlay(new, current)
+    return [e for e in table if e.num_speculative_tokens != class_n]

@@ -9,18 +9,22 @@ requests from swinging a decision.
     speedup(N) = E(N) * t(batch, 0) / t(batch, N)
     N*         = argmax over the allowed N, 0 (off) included
 
-Cost: t(batch, N) = t0 * (1 + c * N) with c the cost of one drafted and
-verified token relative to a plain decode step, fitted from step
-statistics; with no usable fit, the policy's prior c is used (documented
-fallback).  Stability: move only for a predicted gain >= ``min_gain``, at most
-``max_step`` at a time.
+Cost: t(batch, N) = t0(batch) * (1 + c(batch) * N) with c the cost of one
+drafted and verified token relative to a plain decode step, fitted per batch
+bucket from step statistics at two or more N.  A bucket seen at one N only
+borrows c from the nearest fitted bucket, else the policy's prior c is used
+(documented fallback); the tuner runs a *cost probe* (one interval at N=0 in
+that bucket) to get the second point.  Stability: move only for a predicted gain >= ``min_gain``; increases at
+most ``max_step`` at a time, decreases straight to the argmax.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+MIN_TRIALS = 30  # trials below which a position's acceptance counts as not measured
 
 
 @dataclass(frozen=True)
@@ -66,27 +70,104 @@ def expected_tokens(alphas: Sequence[float], n: int) -> float:
     return total
 
 
-def fit_cost_ratio(step_times: dict[int, float], fallback: float) -> float:
-    """c from mean step time per N at one batch bucket: t(N) = t0 (1 + c N).
+@dataclass(frozen=True)
+class CostFit:
+    """Step cost at one batch bucket: t(N) = t0_s * (1 + cost_ratio * N).
 
-    Least squares on the observed N values; needs at least two distinct N,
-    one of them small, else ``fallback`` (the policy's prior).
+    ``source`` says where it came from: ``fit`` (this bucket's steps at two or
+    more N), ``bucket B`` (borrowed from the nearest fitted bucket) or ``prior``.
+    """
+
+    t0_s: float | None
+    cost_ratio: float
+    source: str
+    measured: dict[int, float] = field(default_factory=dict)  # mean step time per N seen at this bucket
+
+    def ratio(self, n: int) -> float:
+        """t(N) / t(0): measured where both were measured, else the linear model."""
+        if n == 0:
+            return 1.0
+        t0 = self.measured.get(0, self.t0_s)
+        if t0 and n in self.measured:
+            return self.measured[n] / t0
+        return 1.0 + self.cost_ratio * n
+
+
+def fit_cost(step_times: dict[int, float]) -> tuple[float, float] | None:
+    """(t0, c) by least squares over the observed N at one bucket, or None.
+
+    Needs at least two distinct N; a non-positive intercept or a falling
+    slope (noise, or too few steps) is no fit.
     """
     points = sorted((n, t) for n, t in step_times.items() if t > 0)
     if len(points) < 2:
-        return fallback
+        return None
     mean_n = sum(n for n, _ in points) / len(points)
     mean_t = sum(t for _, t in points) / len(points)
     var = sum((n - mean_n) ** 2 for n, _ in points)
     slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
     t0 = mean_t - slope * mean_n
     if t0 <= 0 or slope < 0:
-        return fallback
-    return slope / t0
+        return None
+    return t0, slope / t0
 
 
-def speedup(alphas: Sequence[float], n: int, cost_ratio: float) -> float:
-    return expected_tokens(alphas, n) / (1.0 + cost_ratio * n)
+def fit_cost_ratio(step_times: dict[int, float], fallback: float) -> float:
+    """c at one bucket, or ``fallback`` (the policy's prior) when it cannot be fitted."""
+    fit = fit_cost(step_times)
+    return fallback if fit is None else fit[1]
+
+
+def costs_by_bucket(
+    times: dict[int, dict[int, float]],
+    prior: float,
+    counts: dict[int, dict[int, int]] | None = None,
+    min_steps: int = 20,
+) -> dict[int, CostFit]:
+    """A cost model for every bucket that has steps.
+
+    Step times measured with at least ``min_steps`` steps are used as they are
+    (``CostFit.ratio``); the linear fit covers the N not measured.
+
+    A bucket whose steps ran at one N only borrows c from the nearest fitted
+    bucket (ties: the larger, since verification gets dearer with batch size),
+    else uses the prior; its t0 then follows from its own observed step time.
+    """
+    fits = {b: fit for b, t in times.items() if (fit := fit_cost(t)) is not None}
+    out: dict[int, CostFit] = {}
+
+    def measured(bucket: int) -> dict[int, float]:
+        seen = (counts or {}).get(bucket, {})
+        return {n: t for n, t in times[bucket].items() if counts is None or seen.get(n, 0) >= min_steps}
+
+    for bucket, per_n in times.items():
+        if bucket in fits:
+            t0, c = fits[bucket]
+            out[bucket] = CostFit(t0, c, "fit", measured(bucket))
+            continue
+        if fits:
+            near = min(fits, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), -b))
+            c, source = fits[near][1], f"bucket {near}"
+        else:
+            c, source = prior, "prior"
+        observed = [(n, t) for n, t in per_n.items() if t > 0]
+        t0 = None
+        if observed:
+            n, t = min(observed)
+            t0 = t / (1 + c * n)
+        out[bucket] = CostFit(t0, c, source, measured(bucket))
+    return out
+
+
+def bucket_sizes(bucket: int) -> tuple[int, int]:
+    """Batch sizes a power-of-two bucket covers: 1 -> (1, 1), 2 -> (2, 2), 4 -> (3, 4), 8 -> (5, 8)."""
+    return (bucket // 2 + 1, bucket) if bucket > 1 else (1, 1)
+
+
+def speedup(alphas: Sequence[float], n: int, cost: float | CostFit) -> float:
+    """E(N) * t(0) / t(N); ``cost`` is a cost ratio c (linear model) or a bucket's ``CostFit``."""
+    ratio = cost.ratio(n) if isinstance(cost, CostFit) else 1.0 + cost * n
+    return expected_tokens(alphas, n) / ratio
 
 
 @dataclass(frozen=True)
@@ -96,38 +177,71 @@ class Decision:
     best_n: int
     best_speedup: float
     reason: str
+    explore: bool = False  # a one-interval measurement of an N the model only extrapolates
 
 
 def choose_n(
     alphas: Sequence[float] | None,
-    cost_ratio: float,
+    cost: float | CostFit,
     current: int,
     n_min: int,
     n_max: int,
     min_gain: float = 0.05,
     max_step: int = 2,
+    explore_margin: float = 0.0,
+    position_samples: Sequence[int] = (),
 ) -> Decision:
     """The N to run: the goodput argmax, damped by hysteresis and step bounds.
 
     ``alphas`` None (no data) keeps ``current``.  N = 0 (off) is always a
-    candidate; ``n_min``..``n_max`` bound the others.
+    candidate; ``n_min``..``n_max`` bound the others.  With a ``CostFit`` and
+    ``explore_margin`` > 0, a neighbour of ``current`` whose step time was
+    never measured is tried when the model puts it within the margin of
+    ``current`` (the linear cost model is least reliable where it
+    extrapolates; one interval there replaces the guess with a measurement).
     """
     if alphas is None or len(alphas) == 0:
         return Decision(current, 1.0, current, 1.0, "no data: policy N stands")
     candidates = sorted({0, *range(max(1, n_min), n_max + 1)})
-    scores = {n: speedup(alphas, n, cost_ratio) for n in candidates}
+    scores = {n: speedup(alphas, n, cost) for n in candidates}
     best = max(candidates, key=lambda n: (round(scores[n], 9), -n))  # ties: the smaller N
-    here = scores.get(current, speedup(alphas, current, cost_ratio))
+    here = scores.get(current, speedup(alphas, current, cost))
     if scores[best] < here * (1 + min_gain):
+        if explore_margin > 0 and isinstance(cost, CostFit) and current > 0 and here > 1:
+            unmeasured = [
+                n
+                for n in (current - 1, current + 1)
+                if n in scores
+                and n > 0
+                and (n not in cost.measured or n > len(position_samples) or position_samples[n - 1] < MIN_TRIALS)
+                and scores[n] >= here * (1 - explore_margin)
+            ]
+            if unmeasured:
+                n = max(unmeasured, key=lambda k: scores[k])
+                why = f"explore N={n}: not measured yet, model {scores[n]:.2f}x vs {here:.2f}x at N={current}"
+                return Decision(n, scores[n], best, scores[best], why, explore=True)
         return Decision(current, here, best, scores[best], f"gain below {min_gain:.0%}: stay")
-    if best == 0 or current == 0:
-        target = best  # switching off (or back on) is one move, not a walk through N
+    if best == 0 or current == 0 or best < current:
+        # Off, back on, and down are one move: speculating too much loses now; only increases walk.
+        target = best
     else:
         target = current + max(-max_step, min(max_step, best - current))
     return Decision(
         target,
-        scores.get(target, speedup(alphas, target, cost_ratio)),
+        scores.get(target, speedup(alphas, target, cost)),
         best,
         scores[best],
         f"goodput argmax N={best} ({scores[best]:.2f}x vs {here:.2f}x)",
     )
+
+
+def acceptance_shifted(long: PositionAcceptance, recent: PositionAcceptance, min_trials: int) -> bool:
+    """A change point: the recent first-position interval excludes the long window's mean.
+
+    Then the long window mixes two regimes and the tuner decides on the
+    recent data alone, so a draft that starts failing is caught within an
+    interval instead of a window.
+    """
+    if not long.samples or not recent.samples or recent.samples[0] < min_trials:
+        return False
+    return recent.high[0] < long.mean[0] or recent.low[0] > long.mean[0]

@@ -1,12 +1,18 @@
 """The tuner: a scheduled job that turns records into speculation decisions.
 
-Every ``interval`` it reads acceptance per class and step times per N over a
-window, decides per class (``decide_class``), records every decision with
-its inputs, and in ``auto`` mode writes the change into the policy (as actor
-``tuner``, so it is versioned, audited and reversible like an operator's),
-which propagates to the engines.  ``advise`` records only; ``frozen`` does
-nothing.  A class changed less than ``cooldown_s`` ago is left alone.  When
-a class goes off for low acceptance, a draft diagnosis is started.
+Every ``interval`` it reads acceptance per class (over ``window``, or over the
+last interval when acceptance has visibly shifted) and step times per batch
+bucket and N (over ``cost_window``), decides per class (``decide_class``,
+``decide_batch_table``), records every decision with its inputs, and in
+``auto`` mode writes the change into the policy (as actor ``tuner``, so it is
+versioned, audited and reversible like an operator's), which propagates to
+the engines.  ``advise`` records only; ``frozen`` does nothing.  A class
+changed less than ``cooldown_s`` ago is left alone.  When a class goes off
+for low acceptance, a draft diagnosis is started.
+
+Each run also closes earlier decisions: the *realised* speedup of a decision
+is measured tokens per verify step (records) x t0 / measured step time at the
+N it chose (step statistics), over the span until the class's next decision.
 
 Decisions are per prompt class across the fleet (records of every instance).
 With several control-plane replicas on PostgreSQL only the holder of an
@@ -17,23 +23,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, insert, text
 
+from spectune.store import tuner_inputs as inputs
 from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
-from spectune.store.tuner_inputs import acceptance_counts, last_applied, step_times
 
-from .decide import decide_class
-from .goodput import fit_cost_ratio
+from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, n_at
+from .goodput import CostFit, acceptance_shifted, choose_n, costs_by_bucket, position_acceptance, speedup
 from .policy import PolicyDocument, TunerMode, effective_policy
 
 log = logging.getLogger(__name__)
 
 LOCK_KEY = 0x5BEC7E  # pg advisory lock id for the tuner leader
+MIN_COST_PROBE_STEPS = 50  # a bucket with fewer steps in the cost window is not worth probing
+MIN_REALISED_STEPS = 10  # verify steps needed to call a decision's outcome measured
 
 
 class LeaderLock:
@@ -53,6 +61,19 @@ class LeaderLock:
         return self.held
 
 
+def _table_reason(old: list, new: list, probes: set[int], counts: dict[int, dict[int, int]]) -> str:
+    show = lambda t: ", ".join(f"{e.min_batch}-{e.max_batch}:N={e.num_speculative_tokens}" for e in t) or "none"  # noqa: E731
+    if probes:
+        (bucket,) = probes
+        seen = sorted(counts.get(bucket, {}))
+        return f"cost probe: batch bucket {bucket} at N=0 for one interval (step times measured only at N={seen})"
+    return f"batch table [{show(old)}] -> [{show(new)}]"
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
 @dataclass
 class Tuner:
     db: Engine
@@ -60,56 +81,129 @@ class Tuner:
     on_change: Callable[[Versioned], None]
     request_diagnosis: Callable[[str], None] | None = None
     window: timedelta = timedelta(minutes=5)
+    interval: timedelta = timedelta(minutes=1)
+    cost_window: timedelta = timedelta(hours=1)
+    clock: Callable[[], datetime] = _utc_now
+    # Called with each run's decisions (e.g. to export the predicted speedup in force).
+    on_decisions: Callable[[list[dict[str, Any]]], None] | None = None
+    policies: PolicyRepository = field(init=False)
 
     def __post_init__(self) -> None:
-        self.policies = PolicyRepository(self.db)
+        self.policies = PolicyRepository(self.db, clock=self.clock)
         self.leader = LeaderLock(self.db)
 
     def run_once(self) -> list[dict[str, Any]]:
         if not self.leader.acquire():
             return []
+        now = self.clock()
+        self.close_decisions(now)
         current = self.policies.current()
         if current is None:
             return []
         doc = PolicyDocument.model_validate(current.body)
-        counts = acceptance_counts(self.db, self.window)
-        bucket, times = step_times(self.db, self.window)
-        changed_at = last_applied(self.db)
-        now = datetime.now(UTC)
-        body, decisions = doc.body(), []
+        long = inputs.acceptance_counts(self.db, now - self.window, now)
+        recent = inputs.acceptance_counts(self.db, now - self.interval, now)
+        times, counts = inputs.step_times(self.db, now - self.cost_window, now)
+        steps = {b: sum(per.values()) for b, per in counts.items()}
+        _, recent_counts = inputs.step_times(self.db, now - self.window, now)
+        traffic = {b: sum(per.values()) for b, per in recent_counts.items()} or steps
+        busiest = max(traffic, key=traffic.get) if traffic else None
+        changed_at = inputs.last_applied(self.db)
+        body, decisions, history = doc.body(), [], None
         for cls in sorted(self.classes):
             policy = effective_policy(doc, None, cls)
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
             if cls in changed_at and now - changed_at[cls] < timedelta(seconds=policy.cooldown_s):
                 continue
-            drafted, accepted = counts.get(cls, ([], []))
-            cost = fit_cost_ratio(times, fallback=policy.draft_cost_prior)
-            d = decide_class(policy, drafted, accepted, cost)
-            apply = d.action != "keep" and policy.tuner_mode == TunerMode.AUTO
+            drafted, accepted = long.get(cls, ([], []))
+            if not drafted or drafted[0] < MIN_DRAFTS:
+                # Nothing drafted lately (a cost probe, a quiet hour): the last hour's acceptance beats none.
+                if history is None:
+                    history = inputs.acceptance_counts(self.db, now - self.cost_window, now)
+                drafted, accepted = history.get(cls, (drafted, accepted))
+            shifted = False
+            if cls in recent and drafted:
+                r_drafted, r_accepted = recent[cls]
+                shifted = acceptance_shifted(
+                    position_acceptance(drafted, accepted), position_acceptance(r_drafted, r_accepted), MIN_DRAFTS
+                )
+                if shifted:
+                    drafted, accepted = r_drafted, r_accepted
+            costs = costs_by_bucket(times, policy.draft_cost_prior, counts)
+            here_cost = costs.get(busiest, policy.draft_cost_prior)
+            alphas = list(position_acceptance(drafted, accepted).mean) if drafted else None
+            pays_elsewhere = alphas is not None and any(
+                choose_n(alphas, c, 0, policy.n_min, policy.n_max, min_gain=0).best_speedup > 1
+                for b, c in costs.items()
+                if b != busiest
+            )
+            d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere)
+            table, probes = policy.batch_table, set()
+            if d.acceptance is None:
+                alphas = None
+            if d.enabled and alphas is not None:
+                in_force = policy.num_speculative_tokens if policy.speculation_enabled else d.n
+                unfitted = [
+                    b
+                    for b, c in costs.items()
+                    if c.source != "fit" and steps[b] >= MIN_COST_PROBE_STEPS and n_at(table, b, in_force) > 0
+                ]
+                probes = {max(unfitted, key=steps.get)} if unfitted else set()
+                if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
+                    d = ClassDecision("keep", True, in_force, d.predicted_speedup, d.acceptance, False, d.reason)
+                table = decide_batch_table(policy, alphas, costs, d.n, probes, class_bucket=busiest)
+            action, reason = d.action, d.reason
+            if action == "keep" and table != policy.batch_table:
+                action = "cost_probe" if probes else "set_table"
+                reason = _table_reason(policy.batch_table, table, probes, counts)
+            before = n_at(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
+            before = before if policy.speculation_enabled else 0
+            after = n_at(table, busiest or 1, d.n) if d.enabled else 0
+            predicted = d.predicted_speedup
+            if alphas is not None and action != "off":
+                predicted = speedup(alphas, after, here_cost)
+            apply = action != "keep" and policy.tuner_mode == TunerMode.AUTO
             if apply:
                 override = body.setdefault("classes", {}).setdefault(cls, {})
                 override.update(speculation_enabled=d.enabled, num_speculative_tokens=d.n)
+                if table or "batch_table" in override:
+                    override["batch_table"] = [e.model_dump() for e in table]
+            in_force = after if apply else before
             decisions.append(
                 dict(
                     at=now,
                     instance_id="*",
                     prompt_class=cls,
-                    batch_bucket=bucket,
+                    batch_bucket=busiest,
                     mode=policy.tuner_mode.value,
-                    action=d.action,
-                    n_before=policy.num_speculative_tokens if policy.speculation_enabled else 0,
-                    n_after=d.n if d.enabled else 0,
-                    predicted_speedup=d.predicted_speedup,
+                    action=action,
+                    n_before=before,
+                    n_after=after,
+                    predicted_speedup=predicted,
                     realised_speedup=None,
                     applied=apply,
                     inputs={
                         "drafted_per_position": drafted,
                         "accepted_per_position": accepted,
                         "acceptance": d.acceptance,
-                        "cost_ratio": cost,
-                        "step_times": {str(k): v for k, v in times.items()},
-                        "reason": d.reason,
+                        "recent_window_used": shifted,
+                        "cost_ratio": here_cost.cost_ratio if isinstance(here_cost, CostFit) else here_cost,
+                        "costs": {
+                            str(b): {
+                                "t0_s": c.t0_s,
+                                "cost_ratio": c.cost_ratio,
+                                "source": c.source,
+                                "steps": steps[b],
+                                "measured_s": {str(n): t for n, t in c.measured.items()},
+                            }
+                            for b, c in costs.items()
+                        },
+                        "step_times": {str(b): {str(n): t for n, t in per.items()} for b, per in times.items()},
+                        "batch_table": [e.model_dump() for e in table],
+                        "cost_probes": sorted(probes),
+                        "in_force_speedup": None if alphas is None else speedup(alphas, in_force, here_cost),
+                        "reason": reason,
                         "policy_version": current.version,
                         "window_s": self.window.total_seconds(),
                     },
@@ -135,4 +229,24 @@ class Tuner:
         if decisions:
             with self.db.begin() as conn:
                 conn.execute(insert(TunerDecision), decisions)
+            if self.on_decisions is not None:
+                self.on_decisions(decisions)
         return decisions
+
+    def close_decisions(self, now: datetime) -> int:
+        """Fill in the realised speedup of decisions whose span has been measured."""
+        closed = 0
+        for dec in inputs.decisions_awaiting_outcome(self.db, now, max_age=4 * self.window):
+            end = inputs.next_decision_time(self.db, dec["prompt_class"], dec["at"])
+            if end is None:
+                continue  # still the decision in force: its span is open
+            cost = (dec["inputs"].get("costs") or {}).get(str(dec["batch_bucket"])) or {}
+            t0 = cost.get("t0_s")
+            measured = inputs.tokens_per_step(self.db, dec["prompt_class"], dec["at"], end)
+            times, _ = inputs.step_times(self.db, dec["at"], end + timedelta(minutes=1))
+            t_after = times.get(dec["batch_bucket"], {}).get(dec["n_after"])
+            if t0 is None or t_after is None or measured is None or measured[1] < MIN_REALISED_STEPS:
+                continue
+            inputs.set_realised(self.db, dec["id"], measured[0] * t0 / t_after)
+            closed += 1
+        return closed

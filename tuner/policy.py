@@ -49,6 +49,7 @@ class PolicyOverride(BaseModel):
     diagnosis_min_requests: int | None = Field(default=None, ge=1, le=1_000_000)
     draft_cost_prior: float | None = Field(default=None, ge=0.0, le=5.0)
     min_gain: float | None = Field(default=None, ge=0.0, le=1.0)
+    explore_margin: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class Policy(BaseModel):
@@ -80,6 +81,12 @@ class Policy(BaseModel):
         description="Cost of one drafted+verified token relative to a plain step, used until step statistics fit one",
     )
     min_gain: float = Field(default=0.05, ge=0.0, le=1.0, description="Hysteresis: predicted gain needed to move N")
+    explore_margin: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="Try an unmeasured neighbouring N when the model puts it within this share of the current N",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
@@ -149,9 +156,16 @@ def batch_table(policy: Policy) -> list[BatchRange]:
     if policy.disable_above_batch is not None and policy.disable_above_batch < MAX_BATCH:
         off.append((policy.disable_above_batch + 1, MAX_BATCH))
     table: list[BatchRange] = [BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=0) for lo, hi in off]
-    for entry in policy.batch_table:
+    return overlay(table, policy.batch_table)
+
+
+def overlay(winners: list[BatchRange], others: list[BatchRange]) -> list[BatchRange]:
+    """``winners`` plus the parts of ``others`` they do not cover, sorted."""
+    table = list(winners)
+    for entry in others:
         pieces = [(entry.min_batch, entry.max_batch)]
-        for lo, hi in off:  # cut the parts the rules switch off
+        for w in winners:
+            lo, hi = w.min_batch, w.max_batch
             pieces = [p for a, b in pieces for p in ((a, min(b, lo - 1)), (max(a, hi + 1), b)) if p[0] <= p[1]]
         table += [
             BatchRange(min_batch=a, max_batch=b, num_speculative_tokens=entry.num_speculative_tokens) for a, b in pieces

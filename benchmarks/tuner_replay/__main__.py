@@ -1,0 +1,29 @@
+"""python -m benchmarks.tuner_replay --help"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.markdown import Markdown
+
+from . import replay
+from .report import summarise
+
+parser = argparse.ArgumentParser(
+    prog="python -m benchmarks.tuner_replay",
+    description=replay.__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+)
+parser.add_argument("--phase-minutes", type=float, default=20.0, help="simulated minutes per phase")
+parser.add_argument("--interval", type=float, default=60.0, help="tuner interval, simulated seconds")
+parser.add_argument("--seed", type=int, default=1)
+parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tuner_replay.md"))
+args = parser.parse_args()
+result = replay.run(args.phase_minutes, args.seed, args.interval)
+lines, criteria = summarise(result, args.phase_minutes)
+Console().print(Markdown("\n".join(lines)))
+args.out.parent.mkdir(parents=True, exist_ok=True)
+args.out.write_text("\n".join(lines) + "\n")
+print(f"written {args.out}; criteria met: {sum(criteria.values())}/{len(criteria)}")

@@ -1,0 +1,162 @@
+"""Tuner replay: the tuner vs static N and the per-phase oracle, side by side.
+
+    python -m benchmarks.tuner_replay [--phase-minutes 20] [--out benchmarks/results/tuner_replay.md]
+
+Phases: chat -> copy-heavy code edit -> domain shift (the draft fails) ->
+high concurrency (batch 8), one prompt class throughout, so the tuner has to
+follow the workload.  Arms: static N in {0, 1, 3, 5, 8}, the per-phase
+oracle (best static arm in each phase) and the tuner.
+
+SIMULATED, CALIBRATED: engine steps come from ``sim.SimEngine``, whose step
+times and per-position acceptance were measured on the real engine with the
+demo pair (``calibrate.py`` -> ``calibration.json``).  The tuner arm runs the
+real tuner (``spectune.tuner.job.Tuner``: store reads, goodput model, batch
+table, cost probes, policy writes, realised speedup) against a real SQLite
+store, on the simulation's clock.  The report says so and how far the
+simulation is from the engine's measured tokens/s.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from sqlalchemy import select
+
+from spectune.engine.schema import RuntimeSettings
+from spectune.store.db import insert_ignoring_duplicates, insert_records, make_engine, upgrade, utc
+from spectune.store.models import StepStat, TunerDecision
+from spectune.store.policies import PolicyRepository
+from spectune.store.steps import StepAggregator
+from spectune.tuner.job import Tuner
+from spectune.tuner.policy import Policy, PolicyDocument, runtime_settings
+
+from .sim import Calibration, SimEngine
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    workload: str
+    concurrency: int
+
+
+PHASES = (
+    Phase("chat", "chat", 1),
+    Phase("code edit", "code_edit", 1),
+    Phase("domain shift", "domain_shift", 1),
+    Phase("high concurrency", "chat", 8),
+)
+STATIC_NS = (0, 1, 3, 5, 8)
+PROMPT_CLASS = "default"
+CAPACITY = 8
+START = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+
+
+@dataclass
+class PhaseResult:
+    tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+class _TunerArm:
+    """The real tuner on a real store, fed by the simulator, on simulated time."""
+
+    def __init__(self, workdir: Path, interval_s: float, policy: Policy) -> None:
+        url = f"sqlite:///{workdir}/replay.db"
+        upgrade(url)
+        self.db = make_engine(url)
+        self.now = START
+        clock = lambda: datetime.fromtimestamp(self.now, UTC)  # noqa: E731
+        written = PolicyRepository(self.db, clock=clock).ensure(PolicyDocument(global_=policy).body(), "replay")
+        self.settings = self._settings(written.body, written.version)
+        self.records, self.steps = [], StepAggregator()
+        self.diagnoses: list[str] = []
+        self.interval = interval_s
+        self.next_tick = START + interval_s
+        self.tuner = Tuner(
+            self.db,
+            {PROMPT_CLASS},
+            self._on_change,
+            request_diagnosis=self.diagnoses.append,
+            interval=timedelta(seconds=interval_s),
+            clock=clock,
+        )
+        self.sim: SimEngine | None = None
+
+    @staticmethod
+    def _settings(body: dict, version: int) -> RuntimeSettings:
+        return runtime_settings(PolicyDocument.model_validate(body), "sim", {PROMPT_CLASS}, version)
+
+    def _on_change(self, written) -> None:
+        self.settings = self._settings(written.body, written.version)
+        if self.sim is not None:
+            self.sim.settings = self.settings
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        if now < self.next_tick:
+            return
+        self.next_tick += self.interval
+        insert_records(self.db, self.records)
+        self.records.clear()  # in place: the simulator holds this list's append
+        rows = [{**row, "minute": utc(row["minute"]), "writer": "sim"} for row in self.steps.flush(now=now)]
+        insert_ignoring_duplicates(self.db, StepStat.__table__, rows)
+        self.tuner.run_once()
+
+    def decisions(self) -> list[dict]:
+        with self.db.connect() as conn:
+            return [r._asdict() for r in conn.execute(select(TunerDecision.__table__).order_by(TunerDecision.id))]
+
+
+def run_arm(cal: Calibration, settings: RuntimeSettings, phase_s: float, seed: int, arm: _TunerArm | None = None):
+    sim = SimEngine(cal, settings, CAPACITY, seed)
+    if arm is not None:
+        arm.sim = sim
+    on_record = arm.records.append if arm else (lambda r: None)
+    on_step = arm.steps.add if arm else (lambda s: None)
+    now, results = START, []
+    for phase in PHASES:
+        start, tokens_before, end = now, sim.tokens, now + phase_s
+        while now < end:
+            now += sim.step(now, PROMPT_CLASS, phase.workload, phase.concurrency, on_record, on_step)
+            if arm is not None:
+                arm.tick(now)
+        results.append(PhaseResult(sim.tokens - tokens_before, now - start))
+    return results
+
+
+def static_settings(n: int) -> RuntimeSettings:
+    return RuntimeSettings(version=1, speculation_enabled=n > 0, num_speculative_tokens=n)
+
+
+def fidelity(cal: Calibration, seconds: float = 300.0) -> list[tuple[int, int, float, float]]:
+    """(concurrency, N, simulated tok/s, measured tok/s) for every calibrated chat cell."""
+    out = []
+    for c, per in sorted(cal.tok_s.items()):
+        for n, measured in sorted(per.items()):
+            sim = SimEngine(cal, static_settings(n), CAPACITY, seed=7)
+            now = 0.0
+            while now < seconds:
+                now += sim.step(now, PROMPT_CLASS, "chat", c, lambda r: None, lambda s: None)
+            out.append((c, n, sim.tokens / now, measured))
+    return out
+
+
+def run(phase_minutes: float, seed: int, interval_s: float) -> dict:
+    cal = Calibration.load()
+    phase_s = phase_minutes * 60
+    static = {n: run_arm(cal, static_settings(n), phase_s, seed) for n in STATIC_NS}
+    policy = Policy(num_speculative_tokens=3, n_min=0, n_max=CAPACITY)
+    with tempfile.TemporaryDirectory() as tmp:
+        arm = _TunerArm(Path(tmp), interval_s, policy)
+        tuned = run_arm(cal, arm.settings, phase_s, seed, arm)
+        decisions, diagnoses = arm.decisions(), list(arm.diagnoses)
+        arm.db.dispose()
+    return dict(cal=cal, static=static, tuned=tuned, decisions=decisions, diagnoses=diagnoses, policy=policy)
