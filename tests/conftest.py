@@ -166,8 +166,10 @@ def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
         time.sleep(0.5)
 
 
-def serve_tiny(tiny: dict[str, Path], root: Path, *args: str, timeout: float = 180, **env_overrides: str):
-    """`spectune serve` on the tiny models (copy draft, N=3 of capacity 4) with test tokens."""
+def serve_tiny(
+    tiny: dict[str, Path], root: Path, *args: str, timeout: float = 180, draft: str = "copy", **env_overrides: str
+):
+    """`spectune serve` on the tiny models (``draft``: copy / indep / noised; N=3 of capacity 4) with test tokens."""
     env = dict(
         os.environ,
         SPECTUNE_MAX_MODEL_LEN="512",
@@ -177,7 +179,7 @@ def serve_tiny(tiny: dict[str, Path], root: Path, *args: str, timeout: float = 1
         SPECTUNE_API_TOKENS=json.dumps(API_TOKENS),
         **env_overrides,
     )
-    model_args = ["--model", str(tiny["target"]), "--draft-model", str(tiny["copy"]), "-n", "3"]
+    model_args = ["--model", str(tiny["target"]), "--draft-model", str(tiny[draft]), "-n", "3"]
     return spawn_server([*model_args, "--max-speculative-tokens", "4", *args], env, root / "server.log", timeout)
 
 

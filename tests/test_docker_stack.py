@@ -57,3 +57,14 @@ def test_prometheus_config_checks_out():
     am = yaml.safe_load((ROOT / "dashboards" / "alertmanager" / "alertmanager.yml").read_text())
     (hook,) = am["receivers"][0]["webhook_configs"]
     assert hook["url"].endswith("/api/v1/alerts/alertmanager") and hook["send_resolved"]
+
+
+def test_grafana_and_dashboard_services_use_the_generated_files():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    grafana = compose["services"]["grafana"]
+    for volume in grafana["volumes"]:
+        source = volume.split(":")[0]
+        if source.startswith(".."):
+            assert (ROOT / "docker" / source).resolve().exists(), source
+    assert (ROOT / "dashboards" / "grafana" / "provisioning" / "alerting" / "spectune.yaml").exists()
+    assert compose["services"]["dashboard"]["command"][:2] == [".venv/bin/spectune", "dashboard"]
