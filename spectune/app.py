@@ -12,7 +12,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from sqlalchemy import Engine
 
-from spectune.api import alerts, policies, records
+from spectune.api import alerts, overview, policies, records
 from spectune.api.auth import TokenSpec
 from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
 from spectune.engine.classifier import PromptClassifier
@@ -86,6 +86,7 @@ def create_app(
     app.include_router(policies.router)
     app.include_router(records.router)
     app.include_router(alerts.router)
+    app.include_router(overview.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -10,14 +10,12 @@ No Grafana server is installable here; this is what the push is tested against.
 from __future__ import annotations
 
 import re
-import threading
-import time
 import uuid
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
+from servers import ThreadedServer
 
 DURATION = re.compile(r"^\d+[smhd]$")
 CONTACT_TYPES = {"webhook", "email", "slack", "pagerduty", "alertmanager"}
@@ -197,22 +195,9 @@ class FakeGrafana:
         return app
 
 
-class FakeGrafanaServer:
+class FakeGrafanaServer(ThreadedServer):
     """Runs a FakeGrafana on 127.0.0.1:port in a thread."""
 
     def __init__(self, fake: FakeGrafana, port: int) -> None:
-        self.fake, self.url = fake, f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> FakeGrafanaServer:
-        self.thread.start()
-        deadline = time.time() + 10
-        while not self.server.started:
-            assert time.time() < deadline, "fake Grafana did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        super().__init__(fake.app, port)
+        self.fake = fake

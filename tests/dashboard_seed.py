@@ -1,0 +1,91 @@
+"""A database with something on every dashboard page: records of two classes,
+engine steps at two batch buckets, tuner decisions (one with a realised
+speedup), a finished and a running diagnosis, and a firing and a resolved
+alert linked to the diagnosis."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import insert
+
+from spectune.store.db import insert_ignoring_duplicates, insert_records, make_engine, upgrade, utc
+from spectune.store.models import AlertEvent, DiagnosticsReport, StepStat, TunerDecision
+
+from records import make_records
+
+REPORT = {
+    "target": "tiny-target",
+    "draft": "tiny-indep",
+    "prompts": 4,
+    "classes": {
+        "qa": {
+            "tokens": 64,
+            "expected_acceptance": 0.21,
+            "greedy_agreement": 0.0,
+            "kl": 2.9,
+            "per_position_expected": [0.3, 0.2, 0.15],
+            "per_position_realised": [0.05, 0.02, 0.0],
+        }
+    },
+    "top_disagreements": [
+        {"class": "qa", "context": "the draft", "target_token": " x", "draft_token": " y",
+         "p_target_token": 0.9, "q_target_token": 0.01, "expected_acceptance": 0.02}
+    ],
+    "attention_entropy": {"target": [1.1, 1.4], "draft": [0.6, 0.9]},
+    "latency": {"target_s_per_token": 0.01, "draft_s_per_token": 0.004, "ratio": 0.4, "rule": 0.6},
+    "findings": ["draft disagrees with the target on qa: expected acceptance 21 %; fine-tune the draft on this class."],
+}  # fmt: skip
+
+
+def seed(url: str) -> None:
+    upgrade(url)
+    db = make_engine(url)
+    insert_records(db, make_records(120, prefix="dash", seed=3))
+    now = datetime.now(UTC)
+    minute = (now - timedelta(minutes=1)).timestamp()
+    rows = [
+        dict(instance_id="i-1", minute=utc(minute // 60 * 60), batch_bucket=b, num_speculative_tokens=n, writer="w",
+             steps=100, step_time_sum_s=100 * t, step_time_p50_s=t, step_time_p95_s=t, batch_size_sum=100 * b,
+             scheduled_tokens=100 * b * (n + 1), num_draft_tokens=100 * b * n, num_accepted_tokens=int(100 * b * n * a),
+             accepted_per_position=[])
+        for b, n, t, a in ((1, 3, 0.02, 0.8), (1, 0, 0.015, 0.0), (4, 3, 0.05, 0.75))
+    ]  # fmt: skip
+    insert_ignoring_duplicates(db, StepStat.__table__, rows)
+    with db.begin() as conn:
+        decisions = [
+            dict(at=now - timedelta(minutes=10), instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto",
+                 action="set_n", n_before=3, n_after=5, predicted_speedup=1.42, realised_speedup=1.37, applied=True,
+                 inputs={"reason": "goodput argmax N=6 (1.48x vs 1.30x)"}),
+            dict(at=now - timedelta(minutes=5), instance_id="*", prompt_class="long", batch_bucket=1, mode="auto",
+                 action="off", n_before=3, n_after=0, predicted_speedup=0.83, realised_speedup=None, applied=True,
+                 inputs={"reason": "acceptance 12% < floor 70% and predicted speedup 0.83x < 1: speculation off"}),
+        ]  # fmt: skip
+        conn.execute(insert(TunerDecision), decisions)
+        done = conn.execute(
+            insert(DiagnosticsReport).values(
+                created_at=now - timedelta(minutes=4), finished_at=now - timedelta(minutes=3), trigger="alert",
+                prompt_class="qa", status="done", summary="qa: expected acceptance 21 %.", report=REPORT,
+            )
+        ).inserted_primary_key[0]  # fmt: skip
+        conn.execute(
+            insert(DiagnosticsReport).values(created_at=now, trigger="api", prompt_class="long", status="running")
+        )
+        starts = now - timedelta(minutes=6)
+        for status, received in (("firing", now - timedelta(minutes=4)), ("resolved", now - timedelta(minutes=1))):
+            conn.execute(
+                insert(AlertEvent).values(
+                    fingerprint="f00d", status=status, alertname="SpecAcceptanceLow", starts_at=starts,
+                    received_at=received, diagnosis_id=done,
+                    labels={"alertname": "SpecAcceptanceLow", "class": "qa",
+                            "annotation:summary": "Draft acceptance 12% < 70% for 5m"},
+                )
+            )  # fmt: skip
+        conn.execute(
+            insert(AlertEvent).values(
+                fingerprint="beef", status="firing", alertname="SpecPredictedSpeedupBelowOne", starts_at=now,
+                received_at=now, diagnosis_id=None,
+                labels={"alertname": "SpecPredictedSpeedupBelowOne", "class": "long"},
+            )
+        )  # fmt: skip
+    db.dispose()
