@@ -83,5 +83,7 @@ def dashboard(
         "true",
         "--browser.gatherUsageStats",
         "false",
+        "--client.toolbarMode",
+        "viewer",
     ]
     raise typer.Exit(subprocess.call(args, env=env))
