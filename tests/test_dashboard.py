@@ -5,6 +5,7 @@ asserted, including a policy edit the API rejects."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -24,6 +25,15 @@ TOKENS = {
     "vic": TokenSpec(token="viewer-token", role=Role.VIEWER),
     "ola": TokenSpec(token="operator-token", role=Role.OPERATOR),
 }
+
+
+@pytest.fixture(autouse=True)
+def _keep_main_module():
+    """AppTest runs the app as ``__main__`` and leaves it there; vLLM's spawned engine processes
+    re-import ``__main__`` by path, so later engine tests in this process would run the app."""
+    main, argv = sys.modules["__main__"], list(sys.argv)
+    yield
+    sys.modules["__main__"], sys.argv[:] = main, argv
 
 
 @pytest.fixture(scope="module")

@@ -15,22 +15,22 @@ from spectune.tuner.policy import Policy, PolicyDocument
 from records import make_records
 
 
+def _qa_records(n: int, drafted: list[int], accepted: list[int], at: float | None = None, prefix: str | None = None):
+    """n qa records that all drafted / accepted these counts per position, finished at ``at`` (now)."""
+    update = {
+        "prompt_class": "qa",
+        "drafted_per_position": drafted,
+        "accepted_per_position": accepted,
+        "num_draft_tokens": sum(drafted),
+        "num_accepted_tokens": sum(accepted),
+        "num_spec_steps": drafted[0],
+        "finish_time": time.time() if at is None else at,
+    }
+    return [r.model_copy(update=update) for r in make_records(n, prefix=prefix or f"qa{time.time_ns()}")]
+
+
 def _bad_records(n: int):
-    out = []
-    for r in make_records(n, prefix=f"bad{time.time_ns()}"):
-        out.append(
-            r.model_copy(
-                update={
-                    "prompt_class": "qa",
-                    "drafted_per_position": [3, 3, 3],
-                    "accepted_per_position": [0, 0, 0],
-                    "num_draft_tokens": 9,
-                    "num_accepted_tokens": 0,
-                    "finish_time": time.time(),
-                }
-            )
-        )
-    return out
+    return _qa_records(n, [3, 3, 3], [0, 0, 0])
 
 
 @pytest.fixture
@@ -85,20 +85,7 @@ def test_frozen_decides_nothing_and_cooldown_holds(setup):
 
 
 def _good_records(n: int, at: float, prefix: str):
-    return [
-        r.model_copy(
-            update={
-                "prompt_class": "qa",
-                "drafted_per_position": [10, 10, 10],
-                "accepted_per_position": [9, 8, 7],
-                "num_draft_tokens": 30,
-                "num_accepted_tokens": 24,
-                "num_spec_steps": 10,
-                "finish_time": at,
-            }
-        )
-        for r in make_records(n, prefix=prefix)
-    ]
+    return _qa_records(n, [10, 10, 10], [9, 8, 7], at, prefix)
 
 
 def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200):
