@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MIN_TRIALS = 30  # trials below which a position's acceptance counts as not measured
+MIN_COST_RATIO = 0.02  # floor on the cost of one drafted + verified token, relative to a plain step
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,19 @@ class CostFit:
     measured: dict[int, float] = field(default_factory=dict)  # mean step time per N seen at this bucket
 
     def ratio(self, n: int) -> float:
-        """t(N) / t(0): measured where both were measured, else the linear model."""
+        """t(N) / t(0): measured where both were measured, else the linear model.
+
+        Never below 1 + MIN_COST_RATIO * N: drafting and verifying is never free, and step-time noise
+        must not make a draft that accepts nothing look like it pays.
+        """
         if n == 0:
             return 1.0
         t0 = self.measured.get(0, self.t0_s)
         if t0 and n in self.measured:
-            return self.measured[n] / t0
-        return 1.0 + self.cost_ratio * n
+            r = self.measured[n] / t0
+        else:
+            r = 1.0 + self.cost_ratio * n
+        return max(r, 1.0 + MIN_COST_RATIO * n)
 
 
 def fit_cost(step_times: dict[int, float]) -> tuple[float, float] | None:
