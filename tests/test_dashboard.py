@@ -161,3 +161,23 @@ def test_alerts_link_to_their_diagnosis(api_url):
     button.click().run()
     assert at.sidebar.radio(key="page").value == "Diagnostics"
     assert any("fine-tune the draft" in m.value for m in at.markdown)
+
+
+@pytest.fixture(scope="module")
+def empty_api_url(tmp_path_factory):
+    from spectune.store.db import upgrade
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('empty')}/empty.db"
+    upgrade(url)
+    db = make_engine(url)
+    with ThreadedServer(create_app(None, db, TOKENS), free_port()) as server:
+        yield server.url
+    db.dispose()
+
+
+@pytest.mark.parametrize("name", ["Overview", "Acceptance", "Tuner", "Policies", "Diagnostics", "Alerts"])
+def test_pages_on_an_empty_database_say_so(empty_api_url, name):
+    at = page(empty_api_url, name)
+    assert not at.error
+    if name != "Policies":  # a policy always exists (created at start)
+        assert at.info and all("yet" in i.value for i in at.info), [i.value for i in at.info]

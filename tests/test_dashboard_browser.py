@@ -26,6 +26,33 @@ CHROMIUM = "/usr/bin/chromium"
 CHARTS = {"Overview": 2, "Acceptance": 2, "Tuner": 2, "Policies": 0, "Diagnostics": 0, "Alerts": 0}
 
 
+def _start_dashboard(api_url: str, root: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "spectune.cli", "dashboard", "--api-url", api_url, "--token", "operator-token",
+         "--port", str(port)],
+        stdout=(root / f"dashboard-{port}.log").open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        assert ui.poll() is None, (root / f"dashboard-{port}.log").read_text()
+        try:
+            if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
+                return ui, url
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "dashboard did not become healthy"
+        time.sleep(0.5)
+
+
+def _browser(pw):
+    return pw.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage", "--disable-gpu"],
+    )
+
+
 @pytest.fixture(scope="module")
 def dashboard_url(tmp_path_factory):
     if not Path(CHROMIUM).exists():
@@ -37,23 +64,7 @@ def dashboard_url(tmp_path_factory):
     seed(db)
     env = dict(os.environ, SPECTUNE_API_TOKENS=json.dumps(API_TOKENS), SPECTUNE_SPOOL_DIR=str(root / "spool"))
     api, api_url = spawn_server(["--no-engine", "--db", db], env, root / "api.log", 120)
-    port = free_port()
-    ui = subprocess.Popen(
-        [sys.executable, "-m", "spectune.cli", "dashboard", "--api-url", api_url, "--token", "operator-token",
-         "--port", str(port)],
-        stdout=(root / "dashboard.log").open("w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        assert ui.poll() is None, (root / "dashboard.log").read_text()
-        try:
-            if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "dashboard did not become healthy"
-        time.sleep(0.5)
+    ui, url = _start_dashboard(api_url, root)
     yield url
     for proc in (ui, api):
         proc.terminate()
@@ -64,7 +75,7 @@ def _assert_no_exception(page, name: str) -> None:
     exceptions = page.locator('[data-testid="stException"]')
     assert exceptions.count() == 0, f"{name}: {exceptions.first.inner_text()}"
     body = page.locator("section.main, [data-testid='stMain']").first.inner_text()
-    for marker in ("Traceback", "Something went wrong", "The API answered"):
+    for marker in ("Traceback", "Something went wrong", "The API answered", "The API refused"):
         assert marker not in body, f"{name} shows an error: {body[:500]}"
 
 
@@ -74,10 +85,7 @@ def test_every_page_renders_with_its_charts(dashboard_url):
     shutil.rmtree(ARTIFACTS, ignore_errors=True)
     ARTIFACTS.mkdir(parents=True)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-background-networking", "--disable-dev-shm-usage", "--disable-gpu"],
-        )
+        browser = _browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(dashboard_url, wait_until="networkidle")
         page.wait_for_selector("[data-testid='stSidebar']", timeout=60_000)
@@ -97,3 +105,22 @@ def test_every_page_renders_with_its_charts(dashboard_url):
     shots = sorted(p.name for p in ARTIFACTS.glob("*.png"))
     assert shots == sorted(f"{n.lower()}.png" for n in CHARTS)
     assert all((ARTIFACTS / s).stat().st_size > 20_000 for s in shots)
+
+
+def test_the_check_fails_on_a_page_that_shows_an_error(dashboard_url, tmp_path):
+    """The same check against a dashboard whose API is down must fail (the check can fail)."""
+    from playwright.sync_api import sync_playwright
+
+    ui, url = _start_dashboard(f"http://127.0.0.1:{free_port()}", tmp_path)
+    try:
+        with sync_playwright() as pw:
+            browser = _browser(pw)
+            page = browser.new_page()
+            page.goto(url, wait_until="networkidle")
+            page.get_by_text("The API refused").first.wait_for(timeout=60_000)
+            with pytest.raises(AssertionError, match="shows an error"):
+                _assert_no_exception(page, "Overview")
+            browser.close()
+    finally:
+        ui.terminate()
+        ui.wait(timeout=30)
