@@ -21,6 +21,7 @@ advisory lock decides; SQLite means a single process.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from spectune.store.policies import PolicyRepository, StaleVersionError, Version
 
 from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, n_at
 from .goodput import CostFit, acceptance_shifted, choose_n, costs_by_bucket, position_acceptance, speedup
-from .policy import PolicyDocument, TunerMode, effective_policy
+from .policy import Policy, PolicyDocument, TunerMode, effective_policy
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,19 @@ def _table_reason(old: list, new: list, probes: set[int], counts: dict[int, dict
     return f"batch table [{show(old)}] -> [{show(new)}]"
 
 
+@dataclass
+class _Reads:
+    """What one tuner run reads from the store (the history only when a class needs it)."""
+
+    window: dict[str, tuple[list[int], list[int]]]
+    recent: dict[str, tuple[list[int], list[int]]]
+    history: Callable[[], dict[str, tuple[list[int], list[int]]]]
+    times: dict[int, dict[int, float]]
+    counts: dict[int, dict[int, int]]
+    steps: dict[int, int]
+    busiest: int | None
+
+
 def _utc_now() -> datetime:
     return datetime.now(UTC)
 
@@ -101,125 +115,141 @@ class Tuner:
         if current is None:
             return []
         doc = PolicyDocument.model_validate(current.body)
-        long = inputs.acceptance_counts(self.db, now - self.window, now)
-        recent = inputs.acceptance_counts(self.db, now - self.interval, now)
-        times, counts = inputs.step_times(self.db, now - self.cost_window, now)
-        steps = {b: sum(per.values()) for b, per in counts.items()}
-        _, recent_counts = inputs.step_times(self.db, now - self.window, now)
-        traffic = {b: sum(per.values()) for b, per in recent_counts.items()} or steps
-        busiest = max(traffic, key=traffic.get) if traffic else None
+        reads = self._read(now)
         changed_at = inputs.last_applied(self.db)
-        body, decisions, history = doc.body(), [], None
+        body, decisions = doc.body(), []
         for cls in sorted(self.classes):
             policy = effective_policy(doc, None, cls)
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
             if cls in changed_at and now - changed_at[cls] < timedelta(seconds=policy.cooldown_s):
                 continue
-            drafted, accepted = long.get(cls, ([], []))
-            if not drafted or drafted[0] < MIN_DRAFTS:
-                # Nothing drafted lately (a cost probe, a quiet hour): the last hour's acceptance beats none.
-                if history is None:
-                    history = inputs.acceptance_counts(self.db, now - self.cost_window, now)
-                drafted, accepted = history.get(cls, (drafted, accepted))
-            shifted = False
-            if cls in recent and drafted:
-                r_drafted, r_accepted = recent[cls]
-                shifted = acceptance_shifted(
-                    position_acceptance(drafted, accepted), position_acceptance(r_drafted, r_accepted), MIN_DRAFTS
-                )
-                if shifted:
-                    drafted, accepted = r_drafted, r_accepted
-            costs = costs_by_bucket(times, policy.draft_cost_prior, counts)
-            here_cost = costs.get(busiest, policy.draft_cost_prior)
-            alphas = list(position_acceptance(drafted, accepted).mean) if drafted else None
-            pays_elsewhere = alphas is not None and any(
-                choose_n(alphas, c, 0, policy.n_min, policy.n_max, min_gain=0).best_speedup > 1
+            row, override = self._decide(cls, policy, reads, now, current.version)
+            if override is not None:
+                body.setdefault("classes", {}).setdefault(cls, {}).update(override)
+            decisions.append(row)
+        self._write(body, current.version, decisions)
+        return decisions
+
+    def _read(self, now: datetime) -> _Reads:
+        times, counts = inputs.step_times(self.db, now - self.cost_window, now)
+        steps = {b: sum(per.values()) for b, per in counts.items()}
+        _, recent_counts = inputs.step_times(self.db, now - self.window, now)
+        traffic = {b: sum(per.values()) for b, per in recent_counts.items()} or steps
+        return _Reads(
+            window=inputs.acceptance_counts(self.db, now - self.window, now),
+            recent=inputs.acceptance_counts(self.db, now - self.interval, now),
+            history=functools.cache(lambda: inputs.acceptance_counts(self.db, now - self.cost_window, now)),
+            times=times,
+            counts=counts,
+            steps=steps,
+            busiest=max(traffic, key=traffic.get) if traffic else None,
+        )
+
+    def _acceptance(self, cls: str, reads: _Reads) -> tuple[list[int], list[int], bool]:
+        """(drafted, accepted) per position to decide on, and whether a shift made it the last interval's."""
+        drafted, accepted = reads.window.get(cls, ([], []))
+        if not drafted or drafted[0] < MIN_DRAFTS:
+            # Nothing drafted lately (a cost probe, a quiet hour): the last hour's acceptance beats none.
+            drafted, accepted = reads.history().get(cls, (drafted, accepted))
+        if cls in reads.recent and drafted:
+            r_drafted, r_accepted = reads.recent[cls]
+            long, recent = position_acceptance(drafted, accepted), position_acceptance(r_drafted, r_accepted)
+            if acceptance_shifted(long, recent, MIN_DRAFTS):
+                return r_drafted, r_accepted, True
+        return drafted, accepted, False
+
+    def _decide(
+        self, cls: str, policy: Policy, reads: _Reads, now: datetime, version: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """One class: the decision row, and the class override to write (None: nothing to apply)."""
+        drafted, accepted, shifted = self._acceptance(cls, reads)
+        busiest, steps = reads.busiest, reads.steps
+        costs = costs_by_bucket(reads.times, policy.draft_cost_prior, reads.counts)
+        here_cost = costs.get(busiest, policy.draft_cost_prior)
+        alphas = list(position_acceptance(drafted, accepted).mean) if drafted else None
+        pays_elsewhere = alphas is not None and any(
+            choose_n(alphas, c, 0, policy.n_min, policy.n_max, min_gain=0).best_speedup > 1
+            for b, c in costs.items()
+            if b != busiest
+        )
+        d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere)
+        table, probes = policy.batch_table, set()
+        if d.acceptance is None:
+            alphas = None
+        if d.enabled and alphas is not None:
+            in_force = policy.num_speculative_tokens if policy.speculation_enabled else d.n
+            unfitted = [
+                b
                 for b, c in costs.items()
-                if b != busiest
-            )
-            d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere)
-            table, probes = policy.batch_table, set()
-            if d.acceptance is None:
-                alphas = None
-            if d.enabled and alphas is not None:
-                in_force = policy.num_speculative_tokens if policy.speculation_enabled else d.n
-                unfitted = [
-                    b
+                if c.source != "fit" and steps[b] >= MIN_COST_PROBE_STEPS and n_at(table, b, in_force) > 0
+            ]
+            probes = {max(unfitted, key=steps.get)} if unfitted else set()
+            if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
+                d = ClassDecision("keep", True, in_force, d.predicted_speedup, d.acceptance, False, d.reason)
+            table = decide_batch_table(policy, alphas, costs, d.n, probes, class_bucket=busiest)
+        action, reason = d.action, d.reason
+        if action == "keep" and table != policy.batch_table:
+            action = "cost_probe" if probes else "set_table"
+            reason = _table_reason(policy.batch_table, table, probes, reads.counts)
+        before = n_at(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
+        before = before if policy.speculation_enabled else 0
+        after = n_at(table, busiest or 1, d.n) if d.enabled else 0
+        predicted = d.predicted_speedup
+        if alphas is not None and action != "off":
+            predicted = speedup(alphas, after, here_cost)
+        apply = action != "keep" and policy.tuner_mode == TunerMode.AUTO
+        override = None
+        if apply:
+            override = {"speculation_enabled": d.enabled, "num_speculative_tokens": d.n}
+            if table or policy.batch_table:
+                override["batch_table"] = [e.model_dump() for e in table]
+        if d.diagnose and self.request_diagnosis is not None:
+            self.request_diagnosis(cls)
+        row = dict(
+            at=now,
+            instance_id="*",
+            prompt_class=cls,
+            batch_bucket=busiest,
+            mode=policy.tuner_mode.value,
+            action=action,
+            n_before=before,
+            n_after=after,
+            predicted_speedup=predicted,
+            realised_speedup=None,
+            applied=apply,
+            inputs={
+                "drafted_per_position": drafted,
+                "accepted_per_position": accepted,
+                "acceptance": d.acceptance,
+                "recent_window_used": shifted,
+                "cost_ratio": here_cost.cost_ratio if isinstance(here_cost, CostFit) else here_cost,
+                "costs": {
+                    str(b): {
+                        "t0_s": c.t0_s,
+                        "cost_ratio": c.cost_ratio,
+                        "source": c.source,
+                        "steps": steps[b],
+                        "measured_s": {str(n): t for n, t in c.measured.items()},
+                    }
                     for b, c in costs.items()
-                    if c.source != "fit" and steps[b] >= MIN_COST_PROBE_STEPS and n_at(table, b, in_force) > 0
-                ]
-                probes = {max(unfitted, key=steps.get)} if unfitted else set()
-                if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
-                    d = ClassDecision("keep", True, in_force, d.predicted_speedup, d.acceptance, False, d.reason)
-                table = decide_batch_table(policy, alphas, costs, d.n, probes, class_bucket=busiest)
-            action, reason = d.action, d.reason
-            if action == "keep" and table != policy.batch_table:
-                action = "cost_probe" if probes else "set_table"
-                reason = _table_reason(policy.batch_table, table, probes, counts)
-            before = n_at(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
-            before = before if policy.speculation_enabled else 0
-            after = n_at(table, busiest or 1, d.n) if d.enabled else 0
-            predicted = d.predicted_speedup
-            if alphas is not None and action != "off":
-                predicted = speedup(alphas, after, here_cost)
-            apply = action != "keep" and policy.tuner_mode == TunerMode.AUTO
-            if apply:
-                override = body.setdefault("classes", {}).setdefault(cls, {})
-                override.update(speculation_enabled=d.enabled, num_speculative_tokens=d.n)
-                if table or "batch_table" in override:
-                    override["batch_table"] = [e.model_dump() for e in table]
-            in_force = after if apply else before
-            decisions.append(
-                dict(
-                    at=now,
-                    instance_id="*",
-                    prompt_class=cls,
-                    batch_bucket=busiest,
-                    mode=policy.tuner_mode.value,
-                    action=action,
-                    n_before=before,
-                    n_after=after,
-                    predicted_speedup=predicted,
-                    realised_speedup=None,
-                    applied=apply,
-                    inputs={
-                        "drafted_per_position": drafted,
-                        "accepted_per_position": accepted,
-                        "acceptance": d.acceptance,
-                        "recent_window_used": shifted,
-                        "cost_ratio": here_cost.cost_ratio if isinstance(here_cost, CostFit) else here_cost,
-                        "costs": {
-                            str(b): {
-                                "t0_s": c.t0_s,
-                                "cost_ratio": c.cost_ratio,
-                                "source": c.source,
-                                "steps": steps[b],
-                                "measured_s": {str(n): t for n, t in c.measured.items()},
-                            }
-                            for b, c in costs.items()
-                        },
-                        "step_times": {str(b): {str(n): t for n, t in per.items()} for b, per in times.items()},
-                        "batch_table": [e.model_dump() for e in table],
-                        "cost_probes": sorted(probes),
-                        "in_force_speedup": None if alphas is None else speedup(alphas, in_force, here_cost),
-                        "reason": reason,
-                        "policy_version": current.version,
-                        "window_s": self.window.total_seconds(),
-                    },
-                )
-            )
-            if d.diagnose and self.request_diagnosis is not None:
-                self.request_diagnosis(cls)
+                },
+                "batch_table": [e.model_dump() for e in table],
+                "cost_probes": sorted(probes),
+                "in_force_speedup": None if alphas is None else speedup(alphas, after if apply else before, here_cost),
+                "reason": reason,
+                "policy_version": version,
+                "window_s": self.window.total_seconds(),
+            },
+        )
+        return row, override
+
+    def _write(self, body: dict[str, Any], version: int, decisions: list[dict[str, Any]]) -> None:
+        """Applied decisions become one policy version (actor tuner); every decision becomes a row."""
         if any(x["applied"] for x in decisions):
+            reason = "; ".join(f"{x['prompt_class']}: {x['inputs']['reason']}" for x in decisions if x["applied"])
             try:
-                written = self.policies.write(
-                    body,
-                    current.version,
-                    "tuner",
-                    "; ".join(f"{x['prompt_class']}: {x['inputs']['reason']}" for x in decisions if x["applied"]),
-                    "tuner",
-                )
+                written = self.policies.write(body, version, "tuner", reason, "tuner")
             except StaleVersionError:
                 log.info("policy changed meanwhile; tuner decides again next interval")
                 for x in decisions:
@@ -231,7 +261,6 @@ class Tuner:
                 conn.execute(insert(TunerDecision), decisions)
             if self.on_decisions is not None:
                 self.on_decisions(decisions)
-        return decisions
 
     def close_decisions(self, now: datetime) -> int:
         """Fill in the realised speedup of decisions whose span has been measured."""
