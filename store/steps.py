@@ -1,6 +1,7 @@
 """Aggregate engine steps per instance x minute x batch bucket x N.
 
-The tuner's cost model needs step time as a function of batch size and N;
+The tuner's cost model needs decode step time as a function of batch size and N
+(steps that also prefill are left out: they measure the prompt, not N);
 per-step rows would be ~100/s per instance, so steps are folded into one row
 per key and minute, with the sum, p50 and p95 of step time.
 """
@@ -53,6 +54,11 @@ class StepAggregator:
         self._open: dict[tuple[str, int, int, int], _Acc] = defaultdict(_Acc)
 
     def add(self, step: StepRecord) -> None:
+        if step.num_prefill_requests:
+            # A step that also prefills costs what the prompts cost, whatever N is; with speculation on,
+            # every request's prefill step verifies nothing and would pass for an N=0 step, making plain
+            # decoding look slow. Step statistics describe decode steps only.
+            return
         key = (step.instance_id, int(step.time // 60) * 60, batch_bucket(step.batch_size), step.num_speculative_tokens)
         with self._lock:
             acc = self._open[key]

@@ -71,6 +71,17 @@ def step_times(
 MEASUREMENT_ACTIONS = ("explore", "cost_probe")  # one-interval measurements: no cooldown after them
 
 
+def last_action(db: Engine, action: str) -> dict[str, datetime]:
+    """class -> time of the tuner's last applied decision with this action."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            select(TunerDecision.prompt_class, func.max(TunerDecision.at))
+            .where(TunerDecision.applied.is_(True), TunerDecision.action == action)
+            .group_by(TunerDecision.prompt_class)
+        ).all()
+    return {cls: at for cls, at in rows}
+
+
 def last_applied(db: Engine) -> dict[str, datetime]:
     """class -> time of the tuner's last applied change (measurements excluded)."""
     with db.connect() as conn:

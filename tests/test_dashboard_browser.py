@@ -1,12 +1,11 @@
 """The dashboard in a real browser: Debian's chromium driven by Playwright
-(``executable_path``) against a running stack (`spectune serve --no-engine` on
-a seeded database + `spectune dashboard`). Every page is opened from the
+(``executable_path``) against a running stack (`spectune serve` with the tiny
+models on a seeded database + `spectune dashboard`). Every page is opened from the
 sidebar, its charts are awaited, and a full-page screenshot is saved under
 var/test-artifacts/dashboard/. A page that shows an exception fails the test."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ import httpx
 import pytest
 from dashboard_seed import seed
 
-from conftest import API_TOKENS, free_port, spawn_server
+from conftest import free_port, serve_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "var" / "test-artifacts" / "dashboard"
@@ -54,7 +53,7 @@ def _browser(pw):
 
 
 @pytest.fixture(scope="module")
-def dashboard_url(tmp_path_factory):
+def dashboard_url(tiny, tmp_path_factory):
     if not Path(CHROMIUM).exists():
         if os.environ.get("SPECTUNE_REQUIRE_BROWSER"):
             pytest.fail("chromium not found but CI requires it (apt-get install chromium)")
@@ -62,8 +61,8 @@ def dashboard_url(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser")
     db = f"sqlite:///{root}/dash.db"
     seed(db)
-    env = dict(os.environ, SPECTUNE_API_TOKENS=json.dumps(API_TOKENS), SPECTUNE_SPOOL_DIR=str(root / "spool"))
-    api, api_url = spawn_server(["--no-engine", "--db", db], env, root / "api.log", 120)
+    # the whole stack: engine (tiny models) + recorder + API + scheduler, on the seeded database
+    api, api_url = serve_tiny(tiny, root, "--db", db, SPECTUNE_TUNER_INTERVAL_S="86400")
     ui, url = _start_dashboard(api_url, root)
     yield url
     for proc in (ui, api):

@@ -137,6 +137,10 @@ def test_step_aggregation():
                 accepted_per_position=[3, 2, 1],
             )
         )
+    # a step that also prefills (verifying nothing, N=0) is not a decode step: left out
+    prefill = StepRecord(instance_id="i", time=t0 + 11, batch_size=3, num_prefill_requests=1, num_decode_requests=2,
+                         num_scheduled_tokens=200, step_time_s=0.5, num_speculative_tokens=0)  # fmt: skip
+    agg.add(prefill)
     assert agg.flush(now=t0 + 30) == []  # minute still open
     (row,) = agg.flush(now=t0 + 61)
     assert (row["batch_bucket"], row["steps"], row["num_accepted_tokens"]) == (4, 10, 60)

@@ -117,6 +117,7 @@ class Tuner:
         doc = PolicyDocument.model_validate(current.body)
         reads = self._read(now)
         changed_at = inputs.last_applied(self.db)
+        explored_at = inputs.last_action(self.db, "explore")
         body, decisions = doc.body(), []
         for cls in sorted(self.classes):
             policy = effective_policy(doc, None, cls)
@@ -124,6 +125,9 @@ class Tuner:
                 continue
             if cls in changed_at and now - changed_at[cls] < timedelta(seconds=policy.cooldown_s):
                 continue
+            if cls in explored_at and now - explored_at[cls] < min(self.window, 3 * self.interval):
+                # Explorations are spaced: each needs a few intervals to be measured, and churn costs.
+                policy = policy.model_copy(update={"explore_margin": 0.0})
             row, override = self._decide(cls, policy, reads, now, current.version)
             if override is not None:
                 body.setdefault("classes", {}).setdefault(cls, {}).update(override)

@@ -23,10 +23,10 @@ def overview(api: Api, window_s: float, who: dict) -> None:
     st.header("Overview")
     classes = pd.DataFrame(api.get("/api/v1/classes")["classes"])
     st.subheader("Speculation in force")
-    cols = st.columns(max(1, len(classes)))
-    for col, row in zip(cols, classes.itertuples()):
-        col.metric(f"{row._1}", f"N={row.num_speculative_tokens}" if row.speculation_enabled else "off",
-                   help=f"tuner mode {row.tuner_mode}")  # fmt: skip
+    rows = classes.to_dict("records")
+    for col, row in zip(st.columns(max(1, len(rows))), rows):
+        shown = f"N={row['num_speculative_tokens']}" if row["speculation_enabled"] else "off"
+        col.metric(row["class"], shown, help=f"tuner mode {row['tuner_mode']}")
     st.dataframe(classes, hide_index=True, key="classes_table")
 
     points = pd.DataFrame(
