@@ -36,14 +36,19 @@ def _keep_main_module():
     sys.modules["__main__"], sys.argv[:] = main, argv
 
 
-@pytest.fixture(scope="module")
-def api_url(tmp_path_factory):
-    url = f"sqlite:///{tmp_path_factory.mktemp('dash')}/dash.db"
-    seed(url)
+def _api(url: str):
+    """The control-plane API (no engine) over the database at ``url``, served in a thread."""
     db = make_engine(url)
     with ThreadedServer(create_app(None, db, TOKENS), free_port()) as server:
         yield server.url
     db.dispose()
+
+
+@pytest.fixture(scope="module")
+def api_url(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('dash')}/dash.db"
+    seed(url)
+    yield from _api(url)
 
 
 def page(api_url: str, name: str, token: str = "operator-token") -> AppTest:
@@ -169,10 +174,7 @@ def empty_api_url(tmp_path_factory):
 
     url = f"sqlite:///{tmp_path_factory.mktemp('empty')}/empty.db"
     upgrade(url)
-    db = make_engine(url)
-    with ThreadedServer(create_app(None, db, TOKENS), free_port()) as server:
-        yield server.url
-    db.dispose()
+    yield from _api(url)
 
 
 @pytest.mark.parametrize("name", ["Overview", "Acceptance", "Tuner", "Policies", "Diagnostics", "Alerts"])
