@@ -52,6 +52,14 @@ def check_batch_table(table: list[BatchRange] | None) -> list[BatchRange] | None
     return ordered
 
 
+def n_for_batch(table: list[BatchRange], batch_size: int, default: int) -> int:
+    """N of the table entry covering ``batch_size``, else ``default``."""
+    for entry in table:
+        if entry.min_batch <= batch_size <= entry.max_batch:
+            return entry.num_speculative_tokens
+    return default
+
+
 class ClassSettings(BaseModel):
     """Overrides for one prompt class; ``None`` inherits the global value."""
 
@@ -118,11 +126,7 @@ class RuntimeSettings(BaseModel):
             return max(0, min(n, capacity))
         if not enabled:
             return 0
-        for entry in table or ():
-            if entry.min_batch <= batch_size <= entry.max_batch:
-                n = entry.num_speculative_tokens
-                break
-        return max(0, min(n, capacity))
+        return max(0, min(n_for_batch(table or [], batch_size, n), capacity))
 
     def probe_fraction_for(self, prompt_class: str) -> float:
         override = self.classes.get(prompt_class)

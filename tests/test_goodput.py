@@ -149,13 +149,14 @@ def test_batch_table_switches_off_where_verification_is_dear():
 @settings(max_examples=200, deadline=None)
 @given(alpha, st.floats(0.0, 0.5), st.floats(0.0, 2.0))
 def test_batch_table_never_gives_a_dearer_bucket_a_larger_n(a, cheap, extra):
-    from spectune.tuner.decide import decide_batch_table, n_at
+    from spectune.engine.schema import n_for_batch
+    from spectune.tuner.decide import decide_batch_table
     from spectune.tuner.goodput import CostFit
 
     policy = _policy(n_min=0, n_max=8, min_gain=0.0)
     costs = {1: CostFit(0.1, cheap, "fit"), 8: CostFit(0.3, cheap + extra, "fit")}
     table = decide_batch_table(policy, [a] * 8, costs, class_n=3)
-    assert n_at(table, 8, 3) <= n_at(table, 1, 3)
+    assert n_for_batch(table, 8, 3) <= n_for_batch(table, 1, 3)
 
 
 def test_a_shift_in_acceptance_is_detected_and_noise_is_not():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spectune.engine.schema import BatchRange
+from spectune.engine.schema import BatchRange, n_for_batch
 
 from .goodput import MIN_TRIALS, CostFit, bucket_sizes, choose_n, position_acceptance, speedup
 from .policy import MAX_BATCH, Policy, overlay
@@ -104,13 +104,6 @@ def decide_class(
     return ClassDecision("keep", True, current, here, rate, False, choice.reason)
 
 
-def n_at(table: list[BatchRange], batch_size: int, default: int) -> int:
-    for entry in table:
-        if entry.min_batch <= batch_size <= entry.max_batch:
-            return entry.num_speculative_tokens
-    return default
-
-
 def decide_batch_table(
     policy: Policy,
     alphas: list[float],
@@ -131,7 +124,7 @@ def decide_batch_table(
     current = policy.batch_table
     decided: dict[int, int] = {}
     for bucket, cost in costs.items():
-        here = n_at(current, bucket, class_n)
+        here = n_for_batch(current, bucket, class_n)
         if bucket in cost_probes:
             decided[bucket] = 0
         elif bucket == class_bucket:

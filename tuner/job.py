@@ -30,11 +30,12 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, text
 
+from spectune.engine.schema import n_for_batch
 from spectune.store import tuner_inputs as inputs
 from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
 
-from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, n_at
+from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class
 from .goodput import CostFit, acceptance_shifted, choose_n, costs_by_bucket, position_acceptance, speedup
 from .policy import Policy, PolicyDocument, TunerMode, effective_policy
 
@@ -186,7 +187,7 @@ class Tuner:
             unfitted = [
                 b
                 for b, c in costs.items()
-                if c.source != "fit" and steps[b] >= MIN_COST_PROBE_STEPS and n_at(table, b, in_force) > 0
+                if c.source != "fit" and steps[b] >= MIN_COST_PROBE_STEPS and n_for_batch(table, b, in_force) > 0
             ]
             probes = {max(unfitted, key=steps.get)} if unfitted else set()
             if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
@@ -196,9 +197,9 @@ class Tuner:
         if action == "keep" and table != policy.batch_table:
             action = "cost_probe" if probes else "set_table"
             reason = _table_reason(policy.batch_table, table, probes, reads.counts)
-        before = n_at(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
+        before = n_for_batch(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
         before = before if policy.speculation_enabled else 0
-        after = n_at(table, busiest or 1, d.n) if d.enabled else 0
+        after = n_for_batch(table, busiest or 1, d.n) if d.enabled else 0
         predicted = d.predicted_speedup
         if alphas is not None and action != "off":
             predicted = speedup(alphas, after, here_cost)
