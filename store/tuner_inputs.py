@@ -71,24 +71,14 @@ def step_times(
 MEASUREMENT_ACTIONS = ("explore", "cost_probe")  # one-interval measurements: no cooldown after them
 
 
-def last_action(db: Engine, action: str) -> dict[str, datetime]:
-    """class -> time of the tuner's last applied decision with this action."""
+def last_applied(db: Engine, action: str | None = None) -> dict[str, datetime]:
+    """class -> time of the tuner's last applied decision with ``action``, or (None) its last change,
+    measurements excluded."""
+    D = TunerDecision
+    only = D.action == action if action is not None else D.action.not_in(MEASUREMENT_ACTIONS)
     with db.connect() as conn:
         rows = conn.execute(
-            select(TunerDecision.prompt_class, func.max(TunerDecision.at))
-            .where(TunerDecision.applied.is_(True), TunerDecision.action == action)
-            .group_by(TunerDecision.prompt_class)
-        ).all()
-    return {cls: at for cls, at in rows}
-
-
-def last_applied(db: Engine) -> dict[str, datetime]:
-    """class -> time of the tuner's last applied change (measurements excluded)."""
-    with db.connect() as conn:
-        rows = conn.execute(
-            select(TunerDecision.prompt_class, func.max(TunerDecision.at))
-            .where(TunerDecision.applied.is_(True), TunerDecision.action.not_in(MEASUREMENT_ACTIONS))
-            .group_by(TunerDecision.prompt_class)
+            select(D.prompt_class, func.max(D.at)).where(D.applied.is_(True), only).group_by(D.prompt_class)
         ).all()
     return {cls: at for cls, at in rows}
 

@@ -118,7 +118,7 @@ class Tuner:
         doc = PolicyDocument.model_validate(current.body)
         reads = self._read(now)
         changed_at = inputs.last_applied(self.db)
-        explored_at = inputs.last_action(self.db, "explore")
+        explored_at = inputs.last_applied(self.db, "explore")
         body, decisions = doc.body(), []
         for cls in sorted(self.classes):
             policy = effective_policy(doc, None, cls)
