@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectune.tuner.goodput import choose_n, expected_tokens, fit_cost_ratio, position_acceptance, speedup
+from spectune.tuner.goodput import choose_n, costs_by_bucket, expected_tokens, position_acceptance, speedup
 
 alpha = st.floats(0.0, 0.99)
 cost = st.floats(0.0, 1.0)
@@ -32,9 +32,9 @@ def test_position_acceptance_shrinks_small_samples_and_follows_large_ones():
 
 
 def test_cost_ratio_fit_and_fallback():
-    assert fit_cost_ratio({0: 0.10, 2: 0.13, 4: 0.16}, fallback=0.5) == pytest.approx(0.15)
-    assert fit_cost_ratio({3: 0.2}, fallback=0.5) == 0.5  # one point: prior
-    assert fit_cost_ratio({1: 0.2, 3: 0.1}, fallback=0.5) == 0.5  # nonsense slope: prior
+    assert costs_by_bucket({1: {0: 0.10, 2: 0.13, 4: 0.16}}, prior=0.5)[1].cost_ratio == pytest.approx(0.15)
+    assert costs_by_bucket({1: {3: 0.2}}, prior=0.5)[1].cost_ratio == 0.5  # one point: prior
+    assert costs_by_bucket({1: {1: 0.2, 3: 0.1}}, prior=0.5)[1].cost_ratio == 0.5  # nonsense slope: prior
 
 
 def test_off_when_speculation_does_not_pay():
@@ -118,7 +118,6 @@ def test_decide_class_off_on_and_n():
 
 
 def test_cost_per_bucket_fits_borrows_and_falls_back():
-    from spectune.tuner.goodput import costs_by_bucket
 
     costs = costs_by_bucket({1: {0: 0.10, 2: 0.12}, 4: {3: 0.30}, 16: {3: 0.9}}, prior=0.5)
     assert (

@@ -119,12 +119,6 @@ def fit_cost(step_times: dict[int, float]) -> tuple[float, float] | None:
     return t0, slope / t0
 
 
-def fit_cost_ratio(step_times: dict[int, float], fallback: float) -> float:
-    """c at one bucket, or ``fallback`` (the policy's prior) when it cannot be fitted."""
-    fit = fit_cost(step_times)
-    return fallback if fit is None else fit[1]
-
-
 def costs_by_bucket(
     times: dict[int, dict[int, float]],
     prior: float,
