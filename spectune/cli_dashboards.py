@@ -61,11 +61,9 @@ def dashboard(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
 ) -> None:
     """Start the Streamlit operator dashboard (reads everything through the REST API)."""
-    app = Path(__file__).resolve().parent.parent / "dashboards" / "operator" / "app.py"
-    if not app.exists():  # installed, not editable
-        from spectune.dashboards.operator import __file__ as operator_init
+    from spectune.dashboards.operator import __file__ as operator_init  # editable or installed alike
 
-        app = Path(operator_init).parent / "app.py"
+    app = Path(operator_init).parent / "app.py"
     env = dict(os.environ, SPECTUNE_API_URL=api_url)
     if token:
         env["SPECTUNE_TOKEN"] = token
