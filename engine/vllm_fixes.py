@@ -1,5 +1,7 @@
 """Fixes for vLLM bugs that break what spectune promises.
 
+Also installs ``engine/drafter.py`` (no draft forward at K=0).
+
 Installed as a vLLM *general plugin* (entry point ``vllm.general_plugins``),
 which vLLM loads in every process it starts, workers included, before the
 platform registers its kernel overrides.
@@ -41,6 +43,9 @@ def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MA
 def register() -> None:
     from vllm.platforms import current_platform
 
+    from . import drafter
+
+    drafter.install()  # every platform: the free off state (engine/drafter.py)
     if not current_platform.is_cpu():
         return
     from vllm.triton_utils import dispatcher

@@ -165,3 +165,13 @@ def test_a_shift_in_acceptance_is_detected_and_noise_is_not():
     assert acceptance_shifted(long, position_acceptance([100, 20], [20, 2]), min_trials=30)  # ~0.2 now
     assert not acceptance_shifted(long, position_acceptance([100, 90], [88, 79]), min_trials=30)
     assert not acceptance_shifted(long, position_acceptance([10, 2], [2, 0]), min_trials=30)  # too few
+
+
+def test_baseline_names_where_the_plain_step_came_from():
+    from spectune.tuner.goodput import CostFit, baseline
+
+    measured = baseline(CostFit(0.10, 0.2, "fit", {0: 0.12, 3: 0.2}), 4)
+    assert measured["kind"] == "measured_plain_steps" and measured["t0_s"] == 0.12 and measured["batch_bucket"] == 4
+    fitted = baseline(CostFit(0.10, 0.2, "bucket 8", {3: 0.2}), 2)
+    assert fitted["kind"] == "extrapolated" and fitted["t0_s"] == 0.10 and "bucket 8" in fitted["note"]
+    assert baseline(0.15, None)["kind"] == "prior"

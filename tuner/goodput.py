@@ -6,7 +6,7 @@ P(accept k | positions < k accepted).  Counts come from the records
 requests from swinging a decision.
 
     E(N)       = 1 + sum_{j=1..N} prod_{k<j} alpha_k      (expected tokens per target step)
-    speedup(N) = E(N) * t(batch, 0) / t(batch, N)
+    speedup(N) = E(N) * t(batch, 0) / t(batch, N)   (t(batch, 0): a plain step, no drafter)
     N*         = argmax over the allowed N, 0 (off) included
 
 Cost: t(batch, N) = t0(batch) * (1 + c(batch) * N) with c the cost of one
@@ -98,6 +98,22 @@ class CostFit:
         else:
             r = 1.0 + self.cost_ratio * n
         return max(r, 1.0 + MIN_COST_RATIO * n)
+
+
+def baseline(cost: float | CostFit, bucket: int | None) -> dict[str, object]:
+    """What ``speedup`` divides by: the plain step at this bucket, and where its time came from.
+
+    N = 0 runs no draft model (the engine skips the drafter when no request in a step
+    speculates), so steps measured at N = 0 are plain-serving steps.
+    """
+    if not isinstance(cost, CostFit):
+        return {"kind": "prior", "batch_bucket": bucket, "t0_s": None,
+                "note": f"no step times: cost prior c = {cost}"}  # fmt: skip
+    if 0 in cost.measured:
+        return {"kind": "measured_plain_steps", "batch_bucket": bucket, "t0_s": cost.measured[0],
+                "note": "mean step time of N=0 steps (no draft model runs) at this bucket"}  # fmt: skip
+    return {"kind": "extrapolated", "batch_bucket": bucket, "t0_s": cost.t0_s,
+            "note": f"no N=0 steps measured at this bucket: t0 from the cost model ({cost.source})"}  # fmt: skip
 
 
 def fit_cost(step_times: dict[int, float]) -> tuple[float, float] | None:

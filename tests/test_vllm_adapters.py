@@ -1,0 +1,56 @@
+"""The vLLM adapters refuse to start on a vLLM that lacks what they rely on (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+import vllm
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+from spectune.engine import drafter
+
+
+def test_pinned_vllm_passes():
+    drafter.check_supported()
+
+
+def test_other_vllm_version_is_refused(monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv(drafter.ALLOW_UNTESTED, raising=False)
+    with pytest.raises(drafter.UnsupportedVllmError, match=r"vLLM 0\.99\.0 is installed"):
+        drafter.check_supported()
+    monkeypatch.setenv(drafter.ALLOW_UNTESTED, "1")
+    drafter.check_supported()  # opted out of the version pin; the internals still pass
+
+
+def test_changed_propose_signature_is_refused(monkeypatch):
+    def propose(self, target_token_ids, common_attn_metadata):  # K no longer first
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(SpecDecodeBaseProposer, "propose", propose)
+    with pytest.raises(drafter.UnsupportedVllmError, match="not the signature"):
+        drafter.check_supported()
+
+
+def test_install_skips_the_forward_only_at_k0(monkeypatch):
+    calls = []
+
+    def stock(self, num_speculative_tokens, target_token_ids=None, common_attn_metadata=None):
+        calls.append(num_speculative_tokens)
+        return "drafted"
+
+    monkeypatch.setattr(SpecDecodeBaseProposer, "propose", stock)
+    drafter.install()
+    drafter.install()  # idempotent: one wrapper
+
+    class Metadata:
+        def batch_size(self):
+            return 3
+
+    proposer = SpecDecodeBaseProposer.__new__(SpecDecodeBaseProposer)
+    proposer.device = "cpu"
+    empty = SpecDecodeBaseProposer.propose(proposer, 0, common_attn_metadata=Metadata())
+    assert tuple(empty.shape) == (3, 0) and calls == []
+    assert SpecDecodeBaseProposer.propose(proposer, 2, common_attn_metadata=Metadata()) == "drafted"
+    assert calls == [2]
+    with pytest.raises(drafter.UnsupportedVllmError, match="without common_attn_metadata"):
+        SpecDecodeBaseProposer.propose(proposer, 0)
