@@ -101,11 +101,12 @@ def installed(worker: Any = None) -> bool:
     return bool(getattr(_proposer_class().propose, _INSTALLED_FLAG, False))
 
 
-# -- test instrumentation: counted through AsyncLLM.collective_rpc ------------
+# -- test instrumentation: run in each worker by the engine-core utility ------
 def count_draft_forwards(worker: Any) -> int:
     """Draft-model forward passes in this worker so far (installs the counting hook once).
 
-    Runs inside the worker: ``await llm.collective_rpc(cloudpickle.dumps(count_draft_forwards))``.
+    Runs inside the worker through ``spectune_worker_call`` (``engine/scheduler.py``),
+    which ``SpecEngine.count_draft_forwards`` calls.
     """
     drafter = getattr(worker.model_runner, "drafter", None)
     model = getattr(drafter, "model", None)
