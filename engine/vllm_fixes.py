@@ -16,6 +16,14 @@ rejected (a copy draft accepted ~2 % at T=0.8) and the "recovered" tokens are
 drawn from a broken distribution, so speculative sampling is no longer
 lossless.  Greedy decoding is unaffected.  ``tests/test_lossless_sampling.py``
 fails without this fix.
+
+vLLM 0.32.0, top-k / min-p / top-p with speculation: the rejection sampler
+applies the sampling constraints to the draft positions' target logits even
+in a step with no draft tokens at all; on the PyTorch path
+``apply_top_k_only`` then takes ``max()`` of an empty tensor and the worker
+dies (``EngineDeadError``: every request fails and the server is gone).
+``apply_top_k_top_p`` over zero rows returns them unchanged here.
+``tests/test_sampling_fields.py`` fails without this fix.
 """
 
 from __future__ import annotations
@@ -40,12 +48,35 @@ def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MA
     output[: expanded.numel()] = expanded.to(output.dtype)
 
 
+SAMPLING_CONSTRAINTS = "vllm.v1.sample.rejection_sampler.apply_top_k_top_p"
+
+
+def _skip_empty(apply_top_k_top_p):
+    def guarded(logits, k, p):
+        if logits.shape[0] == 0:  # no draft tokens in this step: nothing to constrain
+            return logits
+        return apply_top_k_top_p(logits, k, p)
+
+    guarded.spectune_fix = True
+    guarded.stock = apply_top_k_top_p
+    return guarded
+
+
+def _guard_sampling_constraints() -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    current = rejection_sampler.apply_top_k_top_p
+    if not getattr(current, "spectune_fix", False):
+        rejection_sampler.apply_top_k_top_p = _skip_empty(current)
+
+
 def register() -> None:
     from vllm.platforms import current_platform
 
     from . import drafter
 
     drafter.install()  # every platform: the free off state (engine/drafter.py)
+    _guard_sampling_constraints()  # every platform: harmless where the kernel copes with zero rows
     if not current_platform.is_cpu():
         return
     from vllm.triton_utils import dispatcher

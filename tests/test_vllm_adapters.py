@@ -54,3 +54,24 @@ def test_install_skips_the_forward_only_at_k0(monkeypatch):
     assert calls == [2]
     with pytest.raises(drafter.UnsupportedVllmError, match="without common_attn_metadata"):
         SpecDecodeBaseProposer.propose(proposer, 0)
+
+
+def test_sampling_constraints_over_zero_draft_rows_no_longer_kill_the_worker():
+    """vLLM's top-k over an empty draft batch takes max() of nothing; the guard returns the rows unchanged."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    from spectune.engine import vllm_fixes
+
+    vllm_fixes.register()
+    guarded = rejection_sampler.apply_top_k_top_p
+    assert guarded.spectune_fix
+    empty, k = torch.empty(0, 32), torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="numel"):
+        guarded.stock(empty.clone(), k, None)  # the vLLM bug, still there underneath
+    assert guarded(empty, k, None).shape == (0, 32)
+    logits = torch.arange(8.0).repeat(2, 1)
+    top2 = guarded(logits.clone(), torch.tensor([2, 2], dtype=torch.int32), None)
+    assert torch.isfinite(top2).sum(dim=1).tolist() == [2, 2]  # rows still constrained as before
+    vllm_fixes.register()
+    assert rejection_sampler.apply_top_k_top_p is guarded  # idempotent
