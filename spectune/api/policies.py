@@ -51,7 +51,10 @@ def _etag(version: int) -> str:
 
 def _expected(if_match: str) -> int:
     try:
-        return int(if_match.strip().removeprefix("W/").strip('"'))
+        version = int(if_match.strip().removeprefix("W/").strip('"'))
+        if not 0 <= version < 2**63:  # the database's BIGINT; beyond it no version ever existed
+            raise ValueError(version)
+        return version
     except ValueError:
         raise HTTPException(
             status.HTTP_400_BAD_REQUEST, f'If-Match must be a version ETag like "3", got {if_match!r}'
