@@ -14,7 +14,11 @@ request's drafts to the N of its prompt class, so:
   KV (the skipped positions are missing from the draft cache), so it never
   gets drafts again: speculation can be demoted per request, never promoted
   back.  Requests admitted later speculate with a complete draft cache;
-* requests keep their place: nothing is drained, restarted or failed.
+* requests keep their place: nothing is drained, restarted or failed;
+* a request with stop strings carries its acceptance counts on every output,
+  not only on its last: vLLM stops those requests in the front-end (the
+  detokenizer sees the string), where engine core never sends its final
+  counts, so a record of a stopped request would say nothing was drafted.
 
 Settings arrive through an engine-core *utility call* (``spectune_apply``),
 the same request/response channel vLLM uses for ``reset_prefix_cache`` and
@@ -60,11 +64,13 @@ def check_supported(scheduler: Scheduler) -> None:
             "running",
             "waiting",
             "max_num_running_reqs",
+            "spec_decode_metrics_level",
         )
         if not hasattr(scheduler, name)
     ]
-    if not callable(getattr(Scheduler, "update_draft_token_ids", None)):
-        missing.append("update_draft_token_ids()")
+    for method in ("update_draft_token_ids", "update_from_output"):
+        if not callable(getattr(Scheduler, method, None)):
+            missing.append(f"{method}()")
     if missing:
         raise UnsupportedVllmError(f"SpectuneScheduler: vLLM's Scheduler has no {', '.join(missing)}")
 
@@ -110,6 +116,17 @@ class SpectuneScheduler(Scheduler):
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:  # type: ignore[override]
         super().update_draft_token_ids(draft_token_ids)
         self._trim_drafts(draft_token_ids.req_ids)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):  # type: ignore[override]
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.spec_decode_metrics_level != "none":
+            for batch in outputs.values():
+                for out in batch.outputs:
+                    if out.spec_decode_metrics is None and out.finish_reason is None:
+                        request = self.requests.get(out.request_id)
+                        if request is not None and request.sampling_params and request.sampling_params.stop:
+                            out.spec_decode_metrics = request.spec_decode_metrics  # the front-end may stop it
+        return outputs
 
     # -- internals -----------------------------------------------------------
     def _request_n(self, req_id: str, batch: int) -> int:
