@@ -6,7 +6,12 @@
    are in) into SQLite and into a throwaway PostgreSQL (Debian's server,
    started here as in the tests);
 2. engine tokens/s on the tiny models with the recorder + metrics sinks on vs
-   no sinks, alternating runs, medians.
+   no sinks, alternating runs, medians;
+3. the same over HTTP: `spectune serve` (vLLM's OpenAI server on spectune's
+   engine client, records into SQLite) against vLLM's own
+   `python -m vllm.entrypoints.openai.api_server`, same tiny models, same
+   vLLM arguments and draft speculation, both up together, the arms taking
+   turns round by round, medians.
 """
 
 from __future__ import annotations
@@ -76,6 +81,49 @@ async def engine_rate(sinks_on: bool, tiny: dict, rounds: int, root: Path) -> fl
         await engine.shutdown()
 
 
+async def _http_round(base: str, requests: int, tokens: int) -> float:
+    import httpx
+
+    body = {"model": "tiny", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        answers = await asyncio.gather(
+            *[client.post(f"{base}/v1/completions", json={**body, "prompt": f"the model {i}"}) for i in range(requests)]
+        )
+        elapsed = time.perf_counter() - start
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200][:1]
+    return sum(a.json()["usage"]["completion_tokens"] for a in answers) / elapsed
+
+
+async def http_rates(tiny: dict, rounds: int, root: Path) -> tuple[float, float]:
+    """(vLLM's server, spectune serve) tokens/s: medians over alternating rounds."""
+    import os
+
+    from conftest import spawn_server, vllm_server, wait_ready
+
+    common = ["--served-model-name", "tiny", "--max-model-len", "512", "--max-num-seqs", "16"]
+    ref, port = vllm_server(tiny, root / "vllm.log", common, speculative=True)
+    env = dict(os.environ, SPECTUNE_KV_CACHE_SPACE_GIB="1", SPECTUNE_SPOOL_DIR=str(root / "spool-http"))
+    env["SPECTUNE_TUNER_INTERVAL_S"] = "86400"  # N stays 3, as on vLLM's side
+    args = ["--model", str(tiny["target"]), "--draft-model", str(tiny["copy"]), "-n", "3"]
+    args += ["--max-speculative-tokens", "3", "--dtype", "float32", "--db", f"sqlite:///{root}/http.db", *common]
+    proc, ours = spawn_server(args, env, root / "spectune.log", timeout=600)
+    try:
+        theirs = f"http://127.0.0.1:{port}"
+        wait_ready(ref, theirs, root / "vllm.log", timeout=600)
+        arms: dict[str, list[float]] = {theirs: [], ours: []}
+        for base in arms:
+            await _http_round(base, 16, 8)  # warm-up
+        for i in range(2 * rounds):
+            for base in list(arms)[:: 1 if i % 2 == 0 else -1]:
+                arms[base].append(await _http_round(base, 64, 32))
+        return statistics.median(arms[theirs]), statistics.median(arms[ours])
+    finally:
+        for p in (proc, ref):
+            p.terminate()
+            p.wait(timeout=60)
+
+
 async def main(n: int, rounds: int, out: Path | None) -> None:
     console = Console()
     lines = []
@@ -102,6 +150,9 @@ async def main(n: int, rounds: int, out: Path | None) -> None:
         r_on, r_off = statistics.median(on), statistics.median(off)
         overhead = (r_off - r_on) / r_off * 100
         console.print(f"engine tokens/s: recorder off {r_off:.0f}, on {r_on:.0f} (overhead {overhead:+.1f} %)")
+        h_vllm, h_ours = await http_rates(tiny, rounds, root)
+        h_overhead = (h_vllm - h_ours) / h_vllm * 100
+        console.print(f"HTTP tokens/s: vLLM's server {h_vllm:.0f}, spectune serve {h_ours:.0f} ({h_overhead:+.1f} %)")
     text = "\n".join(
         [
             f"Recorder ingest, {n:,} records (submit -> spool -> database, until every row is in):",
@@ -113,6 +164,10 @@ async def main(n: int, rounds: int, out: Path | None) -> None:
             f"Engine throughput on the tiny models (copy draft, N=3, 64 concurrent requests x 32 tokens, "
             f"median of {2 * rounds} runs per arm): recorder+metrics off {r_off:.0f} tokens/s, on {r_on:.0f} tokens/s, "
             f"overhead {overhead:+.1f} %.",
+            "",
+            f"Over HTTP, same load (median of {2 * rounds} rounds per arm, arms alternating): vLLM's own "
+            f"OpenAI server {h_vllm:.0f} tokens/s, `spectune serve` (vLLM's server on spectune's engine "
+            f"client, every request recorded) {h_ours:.0f} tokens/s, overhead {h_overhead:+.1f} %.",
         ]
     )
     if out:

@@ -51,6 +51,10 @@ class EngineConfig(BaseModel):
         "(for draft diagnostics). Off by default: prompts can be sensitive.",
     )
     initial: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="vLLM engine and server arguments, as `vllm serve` takes them (engine/vllm_args.py)",
+    )
     classifier: PromptClassifier = Field(default_factory=PromptClassifier)
 
     @model_validator(mode="after")

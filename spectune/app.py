@@ -1,5 +1,5 @@
-"""The HTTP application: OpenAI serving (/v1), the control-plane API
-(/api/v1), health and metrics.  With ``engine=None`` it is the control plane
+"""The HTTP application: the control-plane API (/api/v1), health, metrics,
+and vLLM's OpenAI server (/v1 and the rest of ``vllm serve``'s routes).  With ``engine=None`` it is the control plane
 alone, for a fleet of remote engines that follow it."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from spectune.api.auth import TokenSpec
 from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
 from spectune.engine.classifier import PromptClassifier
 from spectune.engine.core import SpecEngine
-from spectune.engine.openai_api import build_router, install_error_handlers
+from spectune.engine.openai_server import OpenAIServer
 from spectune.store.policies import PolicyRepository, Versioned
 from spectune.tuner.diagnosis_job import DiagnosisRunner
 from spectune.tuner.policy import PolicyDocument
@@ -29,11 +29,11 @@ def create_app(
     engine: SpecEngine | None,
     db: Engine,
     api_tokens: dict[str, TokenSpec],
-    openai_api_key: str | None = None,
     follower: PolicyFollower | None = None,
     diagnosis: DiagnosisRunner | None = None,
 ) -> FastAPI:
     """``follower``: this engine obeys a remote control plane instead of its own store."""
+    openai = OpenAIServer(engine) if engine is not None else None
     control = EmbeddedControl(engine) if engine is not None and follower is None else None
     repo = PolicyRepository(db)
 
@@ -42,6 +42,8 @@ def create_app(
         app.state.loop = asyncio.get_running_loop()  # for jobs that run in other threads
         if engine is not None and not engine.started:  # tests may hand in a started engine
             await engine.start()
+        elif engine is not None:
+            await openai.rebind()
         current = repo.ensure((initial_policy(engine) if engine else PolicyDocument()).body(), "spectune")
         if control is not None:
             try:  # the stored policy wins over start-up flags, so a restart keeps operators' changes
@@ -80,9 +82,6 @@ def create_app(
     app.state.known_classes = set((engine.config.classifier if engine else PromptClassifier()).classes)
     app.state.on_policy_change = on_policy_change
     app.state.check_policy = check_policy
-    install_error_handlers(app)
-    if engine is not None:
-        app.include_router(build_router(engine, openai_api_key))
     app.include_router(policies.router)
     app.include_router(records.router)
     app.include_router(alerts.router)
@@ -103,12 +102,14 @@ def create_app(
         if not engine.running:
             response.status_code = 503
         return {
-            "ready": engine.running,
-            "model": engine.config.name,
+            "ready": engine.running and openai is not None and openai.app is not None,
+            "model": engine.model_name,
             "speculation": engine.active_config.method,
             "capacity": engine.capacity,
             "settings_version": engine.settings.version,
             "degraded_reason": engine.degraded_reason,
         }
 
+    if engine is not None:  # last: what spectune does not route is vLLM's (/v1, /health, /tokenize, ...)
+        app.mount("", openai)
     return app

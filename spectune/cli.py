@@ -23,7 +23,7 @@ app.command("dashboard")(dashboard)
 console = Console(stderr=True)
 
 
-def _engine_config(s: Settings):
+def _engine_config(s: Settings, vllm_argv: list[str] | None = None):
     from spectune.engine import EngineConfig, RuntimeSettings
     from spectune.engine.models.prepare import demo_pair_paths
 
@@ -45,6 +45,7 @@ def _engine_config(s: Settings):
         kv_cache_space_gib=s.kv_cache_space_gib,
         instance_id=s.instance_id or socket.gethostname(),
         prompt_sample_rate=s.prompt_sample_rate,
+        vllm_args=list(vllm_argv or []),
         initial=RuntimeSettings(
             speculation_enabled=s.num_speculative_tokens > 0,
             num_speculative_tokens=min(s.num_speculative_tokens, s.max_speculative_tokens),
@@ -52,8 +53,9 @@ def _engine_config(s: Settings):
     )
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
+    ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Target model (HF dir). Default: the prepared demo pair.")] = None,
     draft_model: Annotated[str | None, typer.Option(help="Draft model (HF dir, same tokenizer).")] = None,
     method: Annotated[str | None, typer.Option(help="none | ngram | draft_model")] = None,
@@ -74,7 +76,13 @@ def serve(
         str | None, typer.Option(help="Follow this control plane's policy (remote engine).")
     ] = None,
 ) -> None:
-    """Serve the OpenAI-compatible API on the embedded vLLM engine."""
+    """Serve vLLM's OpenAI-compatible API (/v1) on the embedded engine, with the control plane (/api/v1).
+
+    Any other option is vLLM's and is passed through unchanged, as `vllm serve` takes it
+    (--max-model-len, --served-model-name, --chat-template, --enable-auto-tool-choice,
+    --tool-call-parser, ...): `vllm serve MODEL ARGS` is `spectune serve --model MODEL ARGS`.
+    Speculation belongs to spectune (--method, --draft-model, -n, --max-speculative-tokens).
+    """
     import uvicorn
 
     from spectune.serve import build_stack
@@ -98,7 +106,9 @@ def serve(
         if v is not None
     }
     settings = Settings(**overrides)
-    config = None if settings.no_engine else _engine_config(settings)
+    if settings.no_engine and ctx.args:
+        raise typer.BadParameter(f"vLLM arguments {' '.join(ctx.args)} need an engine (not --no-engine)")
+    config = None if settings.no_engine else _checked(_engine_config(settings, ctx.args))
     logging.basicConfig(level=logging.INFO)
     stack = build_stack(settings, config)
     what = (
@@ -116,6 +126,18 @@ def serve(
         uvicorn.run(stack.app, host=settings.host, port=settings.port, log_level="info")
     finally:
         stack.close()
+
+
+def _checked(config):
+    """Parse vLLM's arguments now (a typo fails before any model loads); take its served name."""
+    from spectune.engine.vllm_args import VllmArgumentError, server_args
+
+    try:
+        args = server_args(config)
+    except VllmArgumentError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    names = args.served_model_name
+    return config.model_copy(update={"served_model_name": names[0] if isinstance(names, list) else names})
 
 
 def _redact(url: str) -> str:

@@ -100,7 +100,8 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         sinks: list[RecordSink] = [recorder, metrics]
         if settings.records_path is not None:
             sinks.append(JsonlSink(settings.records_path))
-        engine = SpecEngine(config, sinks)
+        key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
+        engine = SpecEngine(config, sinks, openai_api_key=key)
         classes = sorted(config.classifier.classes)
         engine.settings_listeners.append(lambda s, cap: metrics.settings_applied(s, classes, cap))
         collectors.append(RecorderCollector(lambda: recorder.stats, recorder.spool.pending_bytes))
@@ -139,11 +140,10 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         coalesce=True,
     )
     scheduler.start()
-    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
     diagnosis = None
     if engine is not None and config.method == "draft_model" and config.draft_model:
         diagnosis = DiagnosisRunner(db, lambda: (engine.config.model, engine.config.draft_model or ""))
-    app = create_app(engine, db, api_tokens(settings), key, follower, diagnosis)
+    app = create_app(engine, db, api_tokens(settings), follower, diagnosis)
     if follower is None:  # a follower's policy belongs to its control plane's tuner
 
         def on_change(written: Versioned) -> None:  # in the scheduler's thread

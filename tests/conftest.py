@@ -166,6 +166,41 @@ def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
         time.sleep(0.5)
 
 
+def vllm_server(tiny: dict[str, Path], log_path: Path, args: list[str], speculative: bool):
+    """vLLM's own OpenAI server on the tiny target (copy draft, N=3 when ``speculative``);
+    returns (process, port). Wait for it with ``wait_ready``."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny["target"])]
+    argv += ["--dtype", "float32", "--seed", "0", "--enforce-eager", "--port", str(port), *args]
+    if speculative:
+        spec = {"method": "draft_model", "model": str(tiny["copy"]), "num_speculative_tokens": 3}
+        argv += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT), port
+
+
+def wait_ready(proc, base: str, log_path: Path, timeout: float = 300, headers: dict | None = None) -> None:
+    """Until ``base``/v1/models answers; fails with the log's tail if the process exits."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/v1/models", headers=headers, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready: {log_path.read_text()[-3000:]}")
+
+
 def serve_tiny(
     tiny: dict[str, Path], root: Path, *args: str, timeout: float = 180, draft: str = "copy", **env_overrides: str
 ):

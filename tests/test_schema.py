@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from spectune.engine import BatchRange, ClassSettings, PromptClassifier, RuntimeSettings
 from spectune.engine.classifier import LengthRule, RegexRule, UnknownClassError
 from spectune.engine.config import EngineConfig, parse_batch_table
-from spectune.engine.core import per_position
+from spectune.engine.telemetry import per_position
 
 
 def test_n_for_precedence_and_clamp():

@@ -74,6 +74,18 @@ def list_records(
     return {"items": items, "next_cursor": _encode_cursor(rows[-1]) if len(rows) == limit else None}
 
 
+@router.get("/records/{request_id}", responses={404: {"model": ErrorOut, "description": "No such record"}})
+def get_record(request: Request, _: Viewer, request_id: Annotated[str, Path(max_length=128)]) -> dict[str, Any]:
+    """One record by id: the ``id`` of the OpenAI response it served (a completions request
+    with several prompts has one record per prompt, ``<id>-<prompt index>``)."""
+    T = RequestRecordRow
+    with request.app.state.db.connect() as conn:
+        row = conn.execute(select(T.__table__).where(T.request_id == request_id)).first()
+    if row is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no record {request_id!r}")
+    return dict(row._mapping)
+
+
 def _aware(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 

@@ -1,0 +1,148 @@
+"""``/v1``: vLLM's own OpenAI-compatible server, on the embedded engine.
+
+vLLM builds the app (``build_app``: its routers, error handlers and
+middleware, ``--api-key`` included) and its serving state
+(``init_app_state``) exactly as ``vllm serve`` does, over
+``SpectuneEngineClient``.  ``OpenAIServer`` is the ASGI app spectune mounts
+under its own routes: it answers 503 until the engine is up, rebuilds vLLM's
+state after every engine (re)start, holds requests while the engine
+rebuilds, and reads the prompt class a request
+asks for (``engine/requests.py``) -- an unknown class is a 400 in vLLM's
+error shape before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .client import SpectuneEngineClient
+from .requests import CLASS_FIELD, CLASS_HEADER, REQUEST_CONTEXT, RequestContext
+
+if TYPE_CHECKING:
+    from .core import SpecEngine
+
+log = logging.getLogger(__name__)
+
+_JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> tuple[int, bytes]:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return status, json.dumps(body).encode()
+
+
+async def _send_json(send: Any, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _prompt_count(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+class OpenAIServer:
+    """ASGI app: vLLM's OpenAI server for ``engine``, with spectune's prompt class."""
+
+    def __init__(self, engine: SpecEngine) -> None:
+        self.engine = engine
+        self.client = SpectuneEngineClient(engine)
+        self.app: Any = None
+        engine.start_listeners.append(self.rebind)
+
+    async def rebind(self) -> None:
+        """vLLM's app and state for the engine that just started (renderers belong to one AsyncLLM)."""
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+
+        args = self.engine.server_args
+        tasks = await self.client.get_supported_tasks()
+        app = build_app(args, tasks, self.client.model_config)
+        await init_app_state(self.client, app.state, args, tasks)
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":  # the outer app's lifespan owns start-up
+            return
+        if scope["type"] == "http" and scope["path"].startswith("/api/"):  # spectune's, in FastAPI's shape
+            return await _send_json(send, 404, b'{"detail":"Not Found"}')
+        if self.app is None or (not self.engine.started and not self.engine.rebuilding):
+            if scope["type"] != "http":
+                return
+            return await _send_json(send, *_error(503, "engine is not running", "ServiceUnavailableError"))
+        await self.engine.admitting()  # a managed rebuild holds requests; it does not fail them
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_ROUTES:
+            return await self.app(scope, receive, send)
+        body, more = await _read_body(receive)
+        headers = dict(scope["headers"])
+        header_class = headers.get(CLASS_HEADER.encode())
+        context, rewritten, error = self._context(body, header_class.decode("latin-1") if header_class else None)
+        if error is not None:
+            return await _send_json(send, *error)
+        if rewritten is not None:
+            body = rewritten
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+            scope["headers"].append((b"content-length", str(len(body)).encode()))
+        token = REQUEST_CONTEXT.set(context)
+        try:
+            await self.app(scope, _replay(body, more, receive), send)
+        finally:
+            REQUEST_CONTEXT.reset(token)
+
+    def _context(
+        self, body: bytes, header_class: str | None
+    ) -> tuple[RequestContext, bytes | None, tuple[int, bytes] | None]:
+        """(context, body without spectune's field or None, error or None)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None  # vLLM answers malformed JSON itself
+        if not isinstance(data, dict):
+            return RequestContext(header_class), None, None
+        rewritten = None
+        if CLASS_FIELD in data:  # vLLM would warn of an unknown field on every request
+            chosen = data.pop(CLASS_FIELD)
+            rewritten = json.dumps(data).encode()
+        else:
+            chosen = None
+        xargs = data.get("vllm_xargs")
+        if chosen is None and isinstance(xargs, dict):
+            chosen = xargs.get(CLASS_FIELD)
+        if chosen is None:
+            chosen = header_class
+        known = self.engine.config.classifier.classes
+        if chosen is not None and (not isinstance(chosen, str) or chosen not in known):
+            message = f"unknown prompt class {chosen!r}; known: {', '.join(sorted(known))}"
+            return RequestContext(), None, _error(400, message, "BadRequestError", CLASS_FIELD)
+        single = data.get("prompt") is not None and _prompt_count(data) == 1
+        return RequestContext(chosen, single_prompt_completion=single), rewritten, None
+
+
+async def _read_body(receive: Any) -> tuple[bytes, bool]:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks), True
+
+
+def _replay(body: bytes, complete: bool, receive: Any) -> Any:
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls: disconnect detection
+
+    return replayed if complete else receive
