@@ -6,7 +6,8 @@
    are in) into SQLite and into a throwaway PostgreSQL (Debian's server,
    started here as in the tests);
 2. engine tokens/s on the tiny models with the recorder + metrics sinks on vs
-   no sinks, alternating runs, medians;
+   no sinks: one engine, the sinks switched on and off round by round (the
+   order flipping every round), medians;
 3. the same over HTTP: `spectune serve` (vLLM's OpenAI server on spectune's
    engine client, records into SQLite) against vLLM's own
    `python -m vllm.entrypoints.openai.api_server`, same tiny models, same
@@ -53,32 +54,33 @@ def ingest_rate(url: str, n: int, spool: Path) -> float:
     return n / elapsed
 
 
-async def engine_rate(sinks_on: bool, tiny: dict, rounds: int, root: Path) -> float:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+async def engine_rates(tiny: dict, rounds: int, root: Path) -> tuple[float, float]:
+    """(no sinks, recorder + metrics) tokens/s on one engine, the sinks switched round by round."""
     from spectune.engine.core import SpecEngine
     from spectune.serve import request_metrics
 
     from conftest import complete, tiny_config
 
-    sinks = []
-    if sinks_on:
-        url = f"sqlite:///{root}/engine-{time.time_ns()}.db"
-        upgrade(url)
-        sinks = [Recorder(make_engine(url), root / f"spool-{time.time_ns()}"), request_metrics()]
-    engine = SpecEngine(tiny_config(tiny, draft="copy", n=3), sinks)
+    url = f"sqlite:///{root}/engine.db"
+    upgrade(url)
+    recorder = Recorder(make_engine(url), root / "spool-engine")
+    engine = SpecEngine(tiny_config(tiny, draft="copy", n=3))
     await engine.start()
+    arms: dict[bool, list[float]] = {False: [], True: []}
     try:
         await asyncio.gather(*[complete(engine, f"warm {i}", 8) for i in range(16)])
-        rates = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            outs = await asyncio.gather(
-                *[complete(engine, f"the model {i}", 32, temperature=0.0, ignore_eos=True) for i in range(64)]
-            )
-            rates.append(sum(len(ids) for _, ids, _ in outs) / (time.perf_counter() - start))
-        return statistics.median(rates)
+        for i in range(2 * rounds):
+            for sinks_on in (False, True)[:: 1 if i % 2 == 0 else -1]:
+                engine.sinks = [recorder, request_metrics()] if sinks_on else []
+                start = time.perf_counter()
+                outs = await asyncio.gather(
+                    *[complete(engine, f"the model {i}", 32, temperature=0.0, ignore_eos=True) for i in range(64)]
+                )
+                arms[sinks_on].append(sum(len(ids) for _, ids, _ in outs) / (time.perf_counter() - start))
+        return statistics.median(arms[False]), statistics.median(arms[True])
     finally:
-        await engine.shutdown()
+        engine.sinks = [recorder]
+        await engine.shutdown()  # closes the recorder
 
 
 async def _http_round(base: str, requests: int, tokens: int) -> float:
@@ -143,11 +145,7 @@ async def main(n: int, rounds: int, out: Path | None) -> None:
         from spectune.engine.models.tiny import make_family
 
         tiny = make_family(Path(__file__).resolve().parent.parent / "var" / "test-models")
-        on, off = [], []
-        for _ in range(2):  # alternate to spread drift over both arms
-            off.append(await engine_rate(False, tiny, rounds, root))
-            on.append(await engine_rate(True, tiny, rounds, root))
-        r_on, r_off = statistics.median(on), statistics.median(off)
+        r_off, r_on = await engine_rates(tiny, rounds, root)
         overhead = (r_off - r_on) / r_off * 100
         console.print(f"engine tokens/s: recorder off {r_off:.0f}, on {r_on:.0f} (overhead {overhead:+.1f} %)")
         h_vllm, h_ours = await http_rates(tiny, rounds, root)
@@ -162,7 +160,8 @@ async def main(n: int, rounds: int, out: Path | None) -> None:
             *lines,
             "",
             f"Engine throughput on the tiny models (copy draft, N=3, 64 concurrent requests x 32 tokens, "
-            f"median of {2 * rounds} runs per arm): recorder+metrics off {r_off:.0f} tokens/s, on {r_on:.0f} tokens/s, "
+            f"one engine, sinks switched round by round, median of {2 * rounds} rounds per arm): "
+            f"recorder+metrics off {r_off:.0f} tokens/s, on {r_on:.0f} tokens/s, "
             f"overhead {overhead:+.1f} %.",
             "",
             f"Over HTTP, same load (median of {2 * rounds} rounds per arm, arms alternating): vLLM's own "
@@ -178,7 +177,7 @@ async def main(n: int, rounds: int, out: Path | None) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=100_000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10, help="rounds per arm and order (2x this per arm)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ingest.md"))
     args = parser.parse_args()
     asyncio.run(main(args.records, args.rounds, args.out))

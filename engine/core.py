@@ -13,6 +13,7 @@ and says why in ``degraded_reason``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import random
@@ -303,7 +304,7 @@ class SpecEngine:
         probe = n_now == 0 and self.capacity > 0 and random.random() < settings.probe_fraction_for(cls)
         if probe:  # a switched-off class keeps being measured on a few requests
             n_now = settings.n_for(cls, self._last_batch + 1, self.capacity, probing=True)
-        params = params.clone()
+        params = copy.copy(params)  # vLLM clones it again on admission; only extra_args is replaced here
         params.extra_args = {**(params.extra_args or {}), "spectune_class": cls, "spectune_probe": probe}
         state = RequestTelemetry(arrival, prompt_tokens, deltas=params.output_kind == RequestOutputKind.DELTA)
         if self.config.prompt_sample_rate and random.random() < self.config.prompt_sample_rate:

@@ -76,7 +76,9 @@ class Recorder:
         self.prompt_retention = prompt_retention
         self.stats = RecorderStats()
         self.writer = uuid.uuid4().hex[:16]
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        # SimpleQueue: a C put without a Condition, on the event loop's hot path; bounded by hand.
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._capacity = queue_size
         self._steps = StepAggregator()
         self._closing = threading.Event()
         self._deadline = float("inf")
@@ -89,10 +91,10 @@ class Recorder:
     # -- RecordSink ----------------------------------------------------------
     def submit(self, record: RequestRecord) -> None:
         self.stats.submitted += 1
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
+        if self._queue.qsize() >= self._capacity:
             self.stats.dropped += 1
+        else:
+            self._queue.put_nowait(record)
 
     def submit_step(self, step: StepRecord) -> None:
         self._steps.add(step)
