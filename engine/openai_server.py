@@ -3,8 +3,8 @@
 vLLM builds the app (``build_app``: its routers, error handlers and
 middleware, ``--api-key`` included) and its serving state
 (``init_app_state``) exactly as ``vllm serve`` does, over
-``SpectuneEngineClient``.  ``OpenAIServer`` is the ASGI app spectune mounts
-under its own routes: it answers 503 until the engine is up, rebuilds vLLM's
+``SpectuneEngineClient``.  ``OpenAIServer`` is the ASGI app spectune hands
+every path it does not own (``spectune/app.py``): it answers 503 until the engine is up, rebuilds vLLM's
 state after every engine (re)start, holds requests while the engine
 rebuilds, and reads the prompt class a request
 asks for (``engine/requests.py``) -- an unknown class is a 400 in vLLM's
@@ -69,8 +69,6 @@ class OpenAIServer:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":  # the outer app's lifespan owns start-up
             return
-        if scope["type"] == "http" and scope["path"].startswith("/api/"):  # spectune's, in FastAPI's shape
-            return await _send_json(send, 404, b'{"detail":"Not Found"}')
         if self.app is None or (not self.engine.started and not self.engine.rebuilding):
             if scope["type"] != "http":
                 return

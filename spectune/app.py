@@ -110,6 +110,22 @@ def create_app(
             "degraded_reason": engine.degraded_reason,
         }
 
-    if engine is not None:  # last: what spectune does not route is vLLM's (/v1, /health, /tokenize, ...)
-        app.mount("", openai)
+    if engine is not None:  # what spectune does not route is vLLM's (/v1, /health, /tokenize, ...)
+        app.add_middleware(_VllmRoutes, openai=openai)
     return app
+
+
+SPECTUNE_PATHS = ("/api/", "/metrics", "/healthz", "/readyz", "/docs", "/redoc", "/openapi.json")
+
+
+class _VllmRoutes:
+    """Sends every path spectune does not own to vLLM's server before spectune's router runs
+    (matching each request against the control plane's routes cost ~1 % of a tiny engine's tokens/s)."""
+
+    def __init__(self, app, openai: OpenAIServer) -> None:
+        self.app, self.openai = app, openai
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope["path"].startswith(SPECTUNE_PATHS):
+            return await self.openai(scope, receive, send)
+        return await self.app(scope, receive, send)
