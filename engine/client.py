@@ -37,5 +37,11 @@ class SpectuneEngineClient:
         if context.single_prompt_completion and request_id.endswith("-0"):
             record_id = request_id[:-2]  # the response id: /api/v1/records/{id} finds it
         return self._engine.serve(
-            prompt, sampling_params, request_id, prompt_class=context.prompt_class, record_id=record_id, **kwargs
+            prompt,
+            sampling_params,
+            request_id,
+            prompt_class=context.prompt_class,
+            record_id=record_id,
+            admitted=context.admitted,
+            **kwargs,
         )

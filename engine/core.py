@@ -13,6 +13,7 @@ and says why in ``degraded_reason``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
@@ -101,9 +102,26 @@ class SpecEngine:
     def rebuilding(self) -> bool:
         return self._rebuild_lock.locked()
 
-    async def admitting(self) -> None:
-        """Until the engine admits requests (at once unless a rebuild is under way)."""
+    @contextlib.asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Hold one request: wait while a rebuild is under way, then count it in flight, so a
+        rebuild drains it before the engine goes (vLLM's handlers touch the engine before and
+        after ``generate``)."""
         await self._admitting.wait()
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+        self._drained.clear()
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._drained.set()
 
     @property
     def running(self) -> bool:
@@ -285,16 +303,19 @@ class SpecEngine:
         *,
         prompt_class: str | None = None,
         record_id: str | None = None,
+        admitted: bool = False,
         **vllm_kwargs: Any,
     ) -> AsyncIterator[Any]:
         """``AsyncLLM.generate`` with the request tagged by class and N, and one
         RequestRecord (id ``record_id``, default ``request_id``) when a request
-        vLLM accepted ends -- finished, failed or aborted."""
+        vLLM accepted ends -- finished, failed or aborted.  ``admitted``: the caller
+        already holds ``admitted()`` (an HTTP request), so a rebuild cannot be waiting on it."""
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         arrival = time.time()
-        await self._admitting.wait()
+        if not admitted:
+            await self._admitting.wait()
         llm = self._llm
         if llm is None:
             raise EngineUnavailableError("engine is not running")
@@ -311,8 +332,7 @@ class SpecEngine:
             state.sampled_prompt = text if text is not None else self._tokenizer.decode(prompt["prompt_token_ids"])
             state.completion = []
         record_id = record_id or request_id
-        self._in_flight += 1
-        self._drained.clear()
+        self._enter()
         self._batches.start(record_id)
         accepted = False
         stream = llm.generate(prompt, params, request_id, **vllm_kwargs)
@@ -333,9 +353,7 @@ class SpecEngine:
             raise
         finally:
             await stream.aclose()  # aborts the request in vLLM if it is still running
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._drained.set()
+            self._leave()
             mean_batch, max_batch = self._batches.finish(record_id)
             if accepted:
                 fan_out(

@@ -13,6 +13,7 @@ error shape before anything runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,14 @@ class OpenAIServer:
             if scope["type"] != "http":
                 return
             return await _send_json(send, *_error(503, "engine is not running", "ServiceUnavailableError"))
-        await self.engine.admitting()  # a managed rebuild holds requests; it does not fail them
+        async with self.engine.admitted():  # a managed rebuild holds requests and drains these
+            token = REQUEST_CONTEXT.set(RequestContext(admitted=True))
+            try:
+                await self._serve(scope, receive, send)
+            finally:
+                REQUEST_CONTEXT.reset(token)
+
+    async def _serve(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_ROUTES:
             return await self.app(scope, receive, send)
         body, more = await _read_body(receive)
@@ -87,7 +95,7 @@ class OpenAIServer:
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
             scope["headers"].append((b"content-length", str(len(body)).encode()))
-        token = REQUEST_CONTEXT.set(context)
+        token = REQUEST_CONTEXT.set(dataclasses.replace(context, admitted=True))
         try:
             await self.app(scope, _replay(body, more, receive), send)
         finally:

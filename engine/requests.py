@@ -25,6 +25,7 @@ class RequestContext:
     # A completions request with one prompt: vLLM names its engine request
     # "<response id>-0"; its record takes the response id itself.
     single_prompt_completion: bool = False
+    admitted: bool = False  # held by SpecEngine.admitted() for the whole HTTP request
 
 
 REQUEST_CONTEXT: contextvars.ContextVar[RequestContext] = contextvars.ContextVar(
