@@ -54,7 +54,7 @@ def test_spectune_options_without_pass_through():
     ],
 )
 def test_refused_with_what_to_do_instead(argv, message):
-    with pytest.raises(VllmArgumentError, match="") as info:
+    with pytest.raises(VllmArgumentError) as info:
         server_args(_config(*argv))
     assert message in str(info.value)
 
