@@ -1,10 +1,11 @@
 """Runtime control of N inside vLLM's engine-core process.
 
 vLLM has no API to change the speculation length while serving, but its
-scheduler already picks the number of draft tokens per step from a dense
-``batch_size -> K`` lookup (``num_speculative_tokens_per_batch_size``).  This
-subclass recomputes that lookup from ``RuntimeSettings`` and trims each
-request's drafts to the N of its prompt class, so:
+scheduler output already carries the number of draft tokens to propose after
+each step (``num_spec_tokens_to_schedule``, which vLLM's own dynamic
+speculation fills from a ``batch_size -> K`` lookup).  This subclass sets it
+from ``RuntimeSettings`` after every ``schedule()`` and trims each request's
+drafts to the N of its prompt class, so:
 
 * N, on/off and the batch-size table change at the next engine step;
 * K for a step is decided after scheduling, as the largest N among the
@@ -82,7 +83,10 @@ class SpectuneScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         check_supported(self)
         self.spectune_settings = RuntimeSettings(num_speculative_tokens=self.num_spec_tokens)
-        self._lookup_key: tuple[int, frozenset[tuple[str, bool]]] | None = None
+        if self.num_spec_tokens > 0:
+            # Any lookup keeps vLLM from padding decodes to K drafts; its value per batch size is
+            # unused, since schedule() sets each step's K itself (the sync scheduler reads it nowhere).
+            self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.max_num_running_reqs + 1)
         self._last_batch_size = 1
         # Requests whose draft KV misses positions (scheduled in a step the drafter skipped).
         # Token-level proposers (ngram, suffix) keep no KV: nothing goes stale.
@@ -93,15 +97,12 @@ class SpectuneScheduler(Scheduler):
     # -- control -------------------------------------------------------------
     def apply_settings(self, settings: RuntimeSettings) -> None:
         self.spectune_settings = settings
-        self._lookup_key = None
         # Drafts already proposed under the old settings would be verified at
         # the next step; trim them so the change holds from that step on.
         self._trim_drafts(r.request_id for r in self.running)
 
     # -- hooks into vLLM ---------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        if self.num_spec_tokens > 0:
-            self._refresh_lookup()
         output = super().schedule(*args, **kwargs)
         scheduled = output.num_scheduled_tokens
         self._last_batch_size = max(1, len(scheduled))
@@ -153,20 +154,6 @@ class SpectuneScheduler(Scheduler):
             limit = self._request_n(req_id, batch)
             if len(request.spec_token_ids) > limit:
                 request.spec_token_ids = request.spec_token_ids[:limit]
-
-    def _refresh_lookup(self) -> None:
-        classes = frozenset(_request_tag(r) for r in self.running) | frozenset(_request_tag(r) for r in self.waiting)
-        key = (self.spectune_settings.version, classes)
-        if key == self._lookup_key:
-            return
-        settings, cap = self.spectune_settings, self.num_spec_tokens
-        active = classes or frozenset({(DEFAULT_CLASS, False)})
-        # Index 0 unused: vLLM indexes the lookup by batch size directly.
-        self.dynamic_sd_lookup = [0] + [
-            max(settings.n_for(c, b, cap, probing=probe) for c, probe in active)
-            for b in range(1, self.max_num_running_reqs + 1)
-        ]
-        self._lookup_key = key
 
 
 def _spectune_apply(self: EngineCore, settings: dict[str, Any]) -> int:
