@@ -76,12 +76,16 @@ class PromptClassifier(BaseModel):
     def _compiled(self) -> list[tuple[re.Pattern[str], str]]:
         return [(re.compile(r.pattern), r.prompt_class) for r in self.regex_rules]
 
+    def known(self, name: object) -> str:
+        """``name`` if it is one of the classes, else UnknownClassError (any other value too)."""
+        if not isinstance(name, str) or name not in self.classes:
+            known = ", ".join(sorted(self.classes))
+            raise UnknownClassError(f"unknown prompt class {name!r}; known: {known}")
+        return name
+
     def classify(self, prompt_text: str, prompt_tokens: int, explicit: str | None = None) -> str:
         if explicit is not None:
-            if explicit not in self.classes:
-                known = ", ".join(sorted(self.classes))
-                raise UnknownClassError(f"unknown prompt class {explicit!r}; known: {known}")
-            return explicit
+            return self.known(explicit)
         for pattern, prompt_class in self._compiled:
             if pattern.search(prompt_text):
                 return prompt_class

@@ -16,8 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
+
+from .classifier import UnknownClassError
 from .client import SpectuneEngineClient
 from .requests import CLASS_FIELD, CLASS_HEADER, REQUEST_CONTEXT, RequestContext
 
@@ -29,9 +33,12 @@ log = logging.getLogger(__name__)
 _JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> tuple[int, bytes]:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return status, json.dumps(body).encode()
+def _error(message: str | Exception, **kw: Any) -> tuple[int, bytes]:
+    """(status, body) of vLLM's own error response for ``message``."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    response = create_error_response(message, **kw)
+    return response.error.code, response.model_dump_json().encode()
 
 
 async def _send_json(send: Any, status: int, body: bytes) -> None:
@@ -73,7 +80,9 @@ class OpenAIServer:
         if self.app is None or (not self.engine.started and not self.engine.rebuilding):
             if scope["type"] != "http":
                 return
-            return await _send_json(send, *_error(503, "engine is not running", "ServiceUnavailableError"))
+            status = HTTPStatus.SERVICE_UNAVAILABLE
+            unavailable = _error("engine is not running", err_type="ServiceUnavailableError", status_code=status)
+            return await _send_json(send, *unavailable)
         async with self.engine.admitted():  # a managed rebuild holds requests and drains these
             token = REQUEST_CONTEXT.set(RequestContext(admitted=True))
             try:
@@ -122,10 +131,11 @@ class OpenAIServer:
             chosen = xargs.get(CLASS_FIELD)
         if chosen is None:
             chosen = header_class
-        known = self.engine.config.classifier.classes
-        if chosen is not None and (not isinstance(chosen, str) or chosen not in known):
-            message = f"unknown prompt class {chosen!r}; known: {', '.join(sorted(known))}"
-            return RequestContext(), None, _error(400, message, "BadRequestError", CLASS_FIELD)
+        if chosen is not None:
+            try:
+                self.engine.config.classifier.known(chosen)
+            except UnknownClassError as exc:
+                return RequestContext(), None, _error(VLLMValidationError(str(exc), parameter=CLASS_FIELD))
         single = data.get("prompt") is not None and _prompt_count(data) == 1
         return RequestContext(chosen, single_prompt_completion=single), rewritten, None
 
