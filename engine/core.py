@@ -160,7 +160,6 @@ class SpecEngine:
         _quiet_iteration_logs()
         if current_platform.is_cpu():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
-        self.server_args = vllm_args.server_args(config, self.openai_api_key)
         args = vllm_args.engine_args(config, self.server_args)
         logger_cls = make_stat_logger(config.instance_id, self._on_step)
         return AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
@@ -240,6 +239,7 @@ class SpecEngine:
             if old is not None:
                 await asyncio.to_thread(old.shutdown)
             self.config = config
+            self.server_args = vllm_args.server_args(config, self.openai_api_key)
             if settings is not None:
                 self.settings = settings
             try:
@@ -255,11 +255,8 @@ class SpecEngine:
 
     @property
     def model_name(self) -> str:
-        """The served model name (vLLM's first --served-model-name)."""
-        if self._llm is None:
-            return self.config.name
-        names = self._llm.model_config.served_model_name
-        return names[0] if isinstance(names, list) else names
+        """The served model name: vLLM's first --served-model-name (spectune's, or a pass-through one)."""
+        return self.server_args.served_model_name[0]
 
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
@@ -334,28 +331,27 @@ class SpecEngine:
         record_id = record_id or request_id
         self._enter()
         self._batches.start(record_id)
-        accepted = False
+        refused = False
         stream = llm.generate(prompt, params, request_id, **vllm_kwargs)
         try:
             async for output in stream:
-                accepted = True
                 state.observe(output)
                 yield output
-            accepted = True
         except (VLLMClientError, GracefulHTTPError):
-            raise  # refused at admission (a 4xx): it never ran, so no record
+            refused = not state.choices  # refused at admission (a 4xx): it never ran, so no record
+            raise
         except (asyncio.CancelledError, GeneratorExit):
-            accepted, state.aborted = True, True
+            state.aborted = True
             raise
         except Exception as exc:
-            accepted, state.error = True, f"{type(exc).__name__}: {exc}"[:2000]
+            state.error = f"{type(exc).__name__}: {exc}"[:2000]
             self._on_engine_error(exc)
             raise
         finally:
             await stream.aclose()  # aborts the request in vLLM if it is still running
             self._leave()
             mean_batch, max_batch = self._batches.finish(record_id)
-            if accepted:
+            if not refused:
                 fan_out(
                     self.sinks,
                     state.record(

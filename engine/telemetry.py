@@ -61,7 +61,7 @@ class RequestTelemetry:
                 self.completion.append(completion.text)
         stats = output.metrics
         # A non-streamed request is seen only at its end; vLLM timed its first token.
-        if stats is not None and getattr(stats, "first_token_latency", 0) > 0:
+        if stats is not None and stats.first_token_latency > 0:
             self.first_token = min(self.first_token or now, stats.arrival_time + stats.first_token_latency)
 
     def _finish_reason(self) -> str:

@@ -76,9 +76,9 @@ def server_args(config: EngineConfig, api_key: str | None = None) -> argparse.Na
     base = _spectune_argv(config)
     if current_platform.is_cpu():
         base.append("--enforce-eager")
-    defaults = vars(parser.parse_args(base))
     args = parser.parse_args([*base, *config.vllm_args])
-    owned = sorted(k for k in OWNED if vars(args).get(k) != defaults.get(k))
+    # spectune's own argv sets none of these, so anything but vLLM's default came from the user
+    owned = sorted(k for k in OWNED if getattr(args, k) != parser.get_default(k))
     if owned:
         said = "; ".join(f"--{k.replace('_', '-')} (use {OWNED[k]})" for k in owned)
         raise VllmArgumentError(f"spectune sets these vLLM arguments itself: {said}")

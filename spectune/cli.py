@@ -108,13 +108,15 @@ def serve(
     settings = Settings(**overrides)
     if settings.no_engine and ctx.args:
         raise typer.BadParameter(f"vLLM arguments {' '.join(ctx.args)} need an engine (not --no-engine)")
-    config = None if settings.no_engine else _checked(_engine_config(settings, ctx.args))
+    config = None if settings.no_engine else _engine_config(settings, ctx.args)
+    if config is not None:
+        _check_vllm_args(config)
     logging.basicConfig(level=logging.INFO)
     stack = build_stack(settings, config)
     what = (
         "control plane only"
         if config is None
-        else f"{config.name} ({config.method}, N={config.initial.num_speculative_tokens})"
+        else f"{stack.engine.model_name} ({config.method}, N={config.initial.num_speculative_tokens})"
     )
     console.print(
         f"[bold]spectune[/] serving {what} on http://{settings.host}:{settings.port} "
@@ -128,16 +130,14 @@ def serve(
         stack.close()
 
 
-def _checked(config):
-    """Parse vLLM's arguments now (a typo fails before any model loads); take its served name."""
+def _check_vllm_args(config) -> None:
+    """Parse vLLM's arguments now: a typo fails before the database or any model is touched."""
     from spectune.engine.vllm_args import VllmArgumentError, server_args
 
     try:
-        args = server_args(config)
+        server_args(config)
     except VllmArgumentError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    names = args.served_model_name
-    return config.model_copy(update={"served_model_name": names[0] if isinstance(names, list) else names})
 
 
 def _redact(url: str) -> str:

@@ -124,9 +124,8 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         def beat() -> None:
             if engine.started:
                 cfg = engine.active_config
-                heartbeat(
-                    db, cfg.instance_id, cfg.name, cfg.method, engine.capacity, started_at, engine.degraded_reason
-                )
+                name, method = engine.model_name, cfg.method
+                heartbeat(db, cfg.instance_id, name, method, engine.capacity, started_at, engine.degraded_reason)
 
         scheduler.add_job(beat, "interval", seconds=15, id="heartbeat", max_instances=1, coalesce=True)
         engine.settings_listeners.append(lambda s, cap: beat())  # also at start and on every change
