@@ -112,7 +112,7 @@ async def http_rates(tiny: dict, rounds: int, root: Path) -> tuple[float, float]
     proc, ours = spawn_server(args, env, root / "spectune.log", timeout=600)
     try:
         theirs = f"http://127.0.0.1:{port}"
-        wait_ready(ref, theirs, root / "vllm.log", timeout=600)
+        wait_ready(ref, f"{theirs}/v1/models", root / "vllm.log", timeout=600)
         arms: dict[str, list[float]] = {theirs: [], ours: []}
         for base in arms:
             await _http_round(base, 16, 8)  # warm-up

@@ -139,9 +139,6 @@ def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
     """Start `spectune serve ARGS` and wait until /readyz says ready; returns (process, base URL)."""
     import subprocess
     import sys
-    import time
-
-    import httpx
 
     port = free_port()
     proc = subprocess.Popen(
@@ -151,24 +148,17 @@ def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: 
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).json().get("ready"):
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not become ready: {log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
+    try:
+        wait_ready(proc, f"{base}/readyz", log_path, timeout, ready=lambda r: r.json().get("ready"))
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, base
 
 
 def vllm_server(tiny: dict[str, Path], log_path: Path, args: list[str], speculative: bool):
     """vLLM's own OpenAI server on the tiny target (copy draft, N=3 when ``speculative``);
-    returns (process, port). Wait for it with ``wait_ready``."""
+    returns (process, port). Wait for it with ``wait_ready`` on ``/v1/models``."""
     import subprocess
     import sys
 
@@ -182,8 +172,9 @@ def vllm_server(tiny: dict[str, Path], log_path: Path, args: list[str], speculat
     return subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT), port
 
 
-def wait_ready(proc, base: str, log_path: Path, timeout: float = 300, headers: dict | None = None) -> None:
-    """Until ``base``/v1/models answers; fails with the log's tail if the process exits."""
+def wait_ready(proc, url: str, log_path: Path, timeout: float = 300, headers: dict | None = None, ready=None) -> None:
+    """Until GET ``url`` answers 200 (and ``ready(response)`` holds); fails with the log's tail
+    if the process exits, TimeoutError after ``timeout``."""
     import time
 
     import httpx
@@ -193,12 +184,13 @@ def wait_ready(proc, base: str, log_path: Path, timeout: float = 300, headers: d
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{base}/v1/models", headers=headers, timeout=2).status_code == 200:
+            r = httpx.get(url, headers=headers, timeout=2)
+            if r.status_code == 200 and (ready is None or ready(r)):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"server not ready: {log_path.read_text()[-3000:]}")
+    raise TimeoutError(f"server did not become ready: {log_path.read_text()[-3000:]}")
 
 
 def serve_tiny(

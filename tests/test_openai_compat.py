@@ -57,8 +57,8 @@ def servers(tiny, tmp_path_factory):
     try:
         proc, base = spawn_server([*spectune_args, *COMMON], env, root / "spectune.log", timeout=300)
         try:
-            wait_ready(ref, f"http://127.0.0.1:{ref_port}", root / "vllm.log", headers=AUTH)
-            wait_ready(plain, f"http://127.0.0.1:{plain_port}", root / "plain.log")
+            wait_ready(ref, f"http://127.0.0.1:{ref_port}/v1/models", root / "vllm.log", headers=AUTH)
+            wait_ready(plain, f"http://127.0.0.1:{plain_port}/v1/models", root / "plain.log")
             yield f"http://127.0.0.1:{ref_port}", base, f"http://127.0.0.1:{plain_port}"
         finally:
             proc.terminate()

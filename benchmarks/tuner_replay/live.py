@@ -41,8 +41,10 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from .replay import PHASES
 from .workloads import WORKLOADS
+from conftest import wait_ready
 
 TOKEN = "live-operator"
 WARM_UP_S = 20
@@ -82,20 +84,6 @@ def _serve(root: Path, name: str, port: int, interval: float, extra: list[str]) 
         [sys.executable, "-m", "spectune.cli", *args], env=env, stdout=log, stderr=subprocess.STDOUT
     )
     return Server(name, proc, f"http://127.0.0.1:{port}")
-
-
-def _wait_ready(server: Server, root: Path) -> None:
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError((root / server.name / "server.log").read_text()[-3000:])
-        try:
-            if httpx.get(f"{server.base}/readyz", timeout=2).json().get("ready"):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{server.name} did not become ready")
 
 
 def _load(base: str, model: str, workload: str, concurrency: int, seconds: float) -> int:
@@ -162,7 +150,8 @@ def main(phase_minutes: float, interval: float, out: Path, statics: list[int]) -
         }
         try:
             for server in servers.values():
-                _wait_ready(server, root)
+                wait_ready(server.proc, f"{server.base}/readyz", root / server.name / "server.log", 600,
+                           ready=lambda r: r.json().get("ready"))  # fmt: skip
             if statics:
                 servers["static"].patch_policy({"global": {"tuner_mode": "frozen"}})
             else:
