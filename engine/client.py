@@ -30,6 +30,16 @@ class SpectuneEngineClient:
             raise EngineUnavailableError("engine is not running (starting or rebuilding)")
         return getattr(llm, name)
 
+    @property
+    def errored(self) -> bool:
+        """A rebuild in progress is not an error (vLLM's handlers would stop the server on it)."""
+        llm = self._engine._llm
+        return llm is not None and llm.errored
+
+    @property
+    def is_running(self) -> bool:
+        return self._engine.running
+
     def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
         # Read the HTTP request's context now: the stream may be iterated in another task.
         context = REQUEST_CONTEXT.get()

@@ -82,6 +82,7 @@ class SpecEngine:
         self._rebuild_lock = asyncio.Lock()
         self._last_batch = 0
         self._tasks: set[asyncio.Task] = set()
+        self._recovery: asyncio.Task | None = None
         # Called with (settings, capacity) whenever settings take effect.
         self.settings_listeners: list[Callable[[RuntimeSettings, int], None]] = []
         # Awaited after every (re)start, before requests are admitted (the OpenAI layer rebinds).
@@ -329,13 +330,35 @@ class SpecEngine:
             state.sampled_prompt = text if text is not None else self._tokenizer.decode(prompt["prompt_token_ids"])
             state.completion = []
         record_id = record_id or request_id
+        recorded = refused = False
+
+        def record() -> None:
+            nonlocal recorded
+            recorded = True
+            mean_batch, max_batch = self._batches.finish(record_id)
+            fan_out(
+                self.sinks,
+                state.record(
+                    request_id=record_id,
+                    instance_id=self.config.instance_id,
+                    model=self.model_name,
+                    prompt_class=cls,
+                    method=self.active_config.method,
+                    n_in_effect=n_now,
+                    settings_version=settings.version,
+                    positions=self.capacity,
+                    batch=(mean_batch, max_batch),
+                ),
+            )
+
         self._enter()
         self._batches.start(record_id)
-        refused = False
         stream = llm.generate(prompt, params, request_id, **vllm_kwargs)
         try:
             async for output in stream:
                 state.observe(output)
+                if output.finished:  # recorded before the caller can send the last byte (kill -9 safe)
+                    record()
                 yield output
         except (VLLMClientError, GracefulHTTPError):
             refused = not state.choices  # refused at admission (a 4xx): it never ran, so no record
@@ -350,22 +373,10 @@ class SpecEngine:
         finally:
             await stream.aclose()  # aborts the request in vLLM if it is still running
             self._leave()
-            mean_batch, max_batch = self._batches.finish(record_id)
-            if not refused:
-                fan_out(
-                    self.sinks,
-                    state.record(
-                        request_id=record_id,
-                        instance_id=self.config.instance_id,
-                        model=self.model_name,
-                        prompt_class=cls,
-                        method=self.active_config.method,
-                        n_in_effect=n_now,
-                        settings_version=settings.version,
-                        positions=self.capacity,
-                        batch=(mean_batch, max_batch),
-                    ),
-                )
+            if refused:
+                self._batches.finish(record_id)
+            elif not recorded:
+                record()
 
     def _on_step(self, step: StepRecord) -> None:
         self._last_batch = step.num_decode_requests
@@ -376,7 +387,9 @@ class SpecEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if isinstance(exc, EngineDeadError) and self.active_config.method != "none":
+            if self._recovery is not None and not self._recovery.done():
+                return  # every request in flight sees the same death: one rebuild for all of them
             # A crashing drafter must not become an outage: come back target-only.
             self.degraded_reason = f"engine died with speculation on: {exc}"[:2000]
             log.error("%s; rebuilding target-only", self.degraded_reason)
-            self.spawn(self.rebuild(self.config.target_only()))
+            self._recovery = self.spawn(self.rebuild(self.config.target_only()))

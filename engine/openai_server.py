@@ -16,11 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
+import signal
+import uuid
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 
+from .asgi import has_lone_surrogate, read_body, replay, send_json, with_header
 from .classifier import UnknownClassError
 from .client import SpectuneEngineClient
 from .requests import CLASS_FIELD, CLASS_HEADER, REQUEST_CONTEXT, RequestContext
@@ -31,6 +36,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+REQUEST_ID_HEADER = b"x-request-id"
+# vLLM makes the response id (and spectune the record id) "cmpl-<X-Request-Id>": keep it storable.
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,96}")
+
+
+class EngineDeathPolicy:
+    """What vLLM's error handlers call ``app.state.server``: in ``vllm serve`` they set uvicorn's
+    ``should_exit`` when the engine is dead, so that a supervisor restarts the process.  Here a
+    speculative engine that dies comes back target-only (``SpecEngine._on_engine_error``); only a
+    dead engine without speculation ends the process, by the SIGTERM uvicorn shuts down on."""
+
+    def __init__(self, engine: SpecEngine) -> None:
+        self.engine = engine
+        self.exit_requested = False
+
+    @property
+    def should_exit(self) -> bool:
+        return self.exit_requested
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value and not self.exit_requested and self.engine.active_config.method == "none":
+            self.exit_requested = True
+            log.error("the engine died and cannot recover: stopping the server (SIGTERM)")
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _error(message: str | Exception, **kw: Any) -> tuple[int, bytes]:
@@ -39,12 +69,6 @@ def _error(message: str | Exception, **kw: Any) -> tuple[int, bytes]:
 
     response = create_error_response(message, **kw)
     return response.error.code, response.model_dump_json().encode()
-
-
-async def _send_json(send: Any, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _prompt_count(body: dict[str, Any]) -> int:
@@ -72,6 +96,7 @@ class OpenAIServer:
         tasks = await self.client.get_supported_tasks()
         app = build_app(args, tasks, self.client.model_config)
         await init_app_state(self.client, app.state, args, tasks)
+        app.state.server = EngineDeathPolicy(self.engine)
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -82,7 +107,7 @@ class OpenAIServer:
                 return
             status = HTTPStatus.SERVICE_UNAVAILABLE
             unavailable = _error("engine is not running", err_type="ServiceUnavailableError", status_code=status)
-            return await _send_json(send, *unavailable)
+            return await send_json(send, *unavailable)
         async with self.engine.admitted():  # a managed rebuild holds requests and drains these
             token = REQUEST_CONTEXT.set(RequestContext(admitted=True))
             try:
@@ -91,22 +116,34 @@ class OpenAIServer:
                 REQUEST_CONTEXT.reset(token)
 
     async def _serve(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _JSON_ROUTES:
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        body, more = await _read_body(receive)
+        body, more = await read_body(receive)
+        if (b"\\ud" in body or b"\\uD" in body) and _parses_with_lone_surrogate(body):
+            error = VLLMValidationError("the request has a lone UTF-16 surrogate escape: not valid Unicode text")
+            return await send_json(send, *_error(error))
+        if scope["path"] not in _JSON_ROUTES:
+            return await self.app(scope, replay(body, more, receive), send)
         headers = dict(scope["headers"])
+        request_id = headers.get(REQUEST_ID_HEADER)
+        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+            error = VLLMValidationError("X-Request-Id must be 1-96 of A-Z a-z 0-9 . _ : -", parameter="X-Request-Id")
+            return await send_json(send, *_error(error))
         header_class = headers.get(CLASS_HEADER.encode())
         context, rewritten, error = self._context(body, header_class.decode("latin-1") if header_class else None)
         if error is not None:
-            return await _send_json(send, *error)
+            return await send_json(send, *error)
+        scope = dict(scope, headers=list(scope["headers"]))
+        if request_id is None:  # vLLM names the response (and spectune the record) after this header
+            request_id = uuid.uuid4().hex.encode()
+            scope["headers"].append((REQUEST_ID_HEADER, request_id))
         if rewritten is not None:
             body = rewritten
-            scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
             scope["headers"].append((b"content-length", str(len(body)).encode()))
         token = REQUEST_CONTEXT.set(dataclasses.replace(context, admitted=True))
         try:
-            await self.app(scope, _replay(body, more, receive), send)
+            await self.app(scope, replay(body, more, receive), with_header(send, REQUEST_ID_HEADER, request_id))
         finally:
             REQUEST_CONTEXT.reset(token)
 
@@ -140,25 +177,8 @@ class OpenAIServer:
         return RequestContext(chosen, single_prompt_completion=single), rewritten, None
 
 
-async def _read_body(receive: Any) -> tuple[bytes, bool]:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks), False
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks), True
-
-
-def _replay(body: bytes, complete: bool, receive: Any) -> Any:
-    sent = False
-
-    async def replayed() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # later calls: disconnect detection
-
-    return replayed if complete else receive
+def _parses_with_lone_surrogate(body: bytes) -> bool:
+    try:
+        return has_lone_surrogate(json.loads(body))
+    except ValueError:
+        return False  # not JSON: vLLM answers that itself

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import deque
 from pathlib import Path
@@ -50,16 +51,19 @@ class MemorySink:
 
 
 class JsonlSink:
-    """Appends request records as JSON lines (the engine run on its own)."""
+    """Appends request records as JSON lines (the engine run on its own), owner-readable only.
+    Sampled prompt text stays out: it belongs in the database's sampled-prompt table, which expires."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def submit(self, record: RequestRecord) -> None:
-        line = json.dumps(record.model_dump(mode="json"), separators=(",", ":"))
+        fields = record.model_dump(mode="json", exclude={"prompt_text", "completion_text"})
+        line = json.dumps(fields, separators=(",", ":"))
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()

@@ -8,9 +8,13 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from spectune.api import alerts, overview, policies, records
 from spectune.api.auth import TokenSpec
@@ -18,6 +22,7 @@ from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
 from spectune.engine.classifier import PromptClassifier
 from spectune.engine.core import SpecEngine
 from spectune.engine.openai_server import OpenAIServer
+from spectune.guard import RequestGuard
 from spectune.store.policies import PolicyRepository, Versioned
 from spectune.tuner.diagnosis_job import DiagnosisRunner
 from spectune.tuner.policy import PolicyDocument
@@ -31,6 +36,7 @@ def create_app(
     api_tokens: dict[str, TokenSpec],
     follower: PolicyFollower | None = None,
     diagnosis: DiagnosisRunner | None = None,
+    max_body_bytes: int = 4 << 20,
 ) -> FastAPI:
     """``follower``: this engine obeys a remote control plane instead of its own store."""
     openai = OpenAIServer(engine) if engine is not None else None
@@ -44,7 +50,8 @@ def create_app(
             await engine.start()
         elif engine is not None:
             await openai.rebind()
-        current = repo.ensure((initial_policy(engine) if engine else PolicyDocument()).body(), "spectune")
+        initial = (initial_policy(engine) if engine else PolicyDocument()).body()
+        current = await run_in_threadpool(repo.ensure, initial, "spectune")
         if control is not None:
             try:  # the stored policy wins over start-up flags, so a restart keeps operators' changes
                 control.check(PolicyDocument.model_validate(current.body))
@@ -97,8 +104,13 @@ def create_app(
 
     @app.get("/readyz", tags=["health"])
     async def readyz(response: Response) -> dict:
+        """Ready to serve: the engine runs (an engine's /v1 keeps serving through a database outage,
+        its records spooled), or for the control plane alone, its database answers."""
+        database = await _database_state(db)
         if engine is None:
-            return {"ready": True, "engine": None}
+            if database != "up":
+                response.status_code = 503
+            return {"ready": database == "up", "engine": None, "database": database}
         if not engine.running:
             response.status_code = 503
         return {
@@ -108,11 +120,38 @@ def create_app(
             "capacity": engine.capacity,
             "settings_version": engine.settings.version,
             "degraded_reason": engine.degraded_reason,
+            "database": database,
         }
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeoutError)
+    async def database_unavailable(_: Request, exc: Exception) -> JSONResponse:
+        reason = f"database unavailable ({type(getattr(exc, 'orig', None) or exc).__name__}); retry later"
+        return JSONResponse({"detail": reason}, status_code=503, headers={"Retry-After": "5"})
+
+    @app.exception_handler(DataError)
+    async def database_refused(_: Request, exc: DataError) -> JSONResponse:
+        detail = [{"loc": ["body"], "msg": f"the database refused a value: {exc.orig}", "type": "value_error"}]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     if engine is not None:  # what spectune does not route is vLLM's (/v1, /health, /tokenize, ...)
         app.add_middleware(_VllmRoutes, openai=openai)
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes)  # outermost: before any route
     return app
+
+
+async def _database_state(db: Engine) -> str:
+    """ "up", or why not; never waits longer than the database's own timeout (``make_engine``)."""
+
+    def ping() -> None:
+        with db.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    try:
+        await run_in_threadpool(ping)
+    except (DBAPIError, PoolTimeoutError) as exc:
+        return f"unavailable ({type(getattr(exc, 'orig', None) or exc).__name__})"
+    return "up"
 
 
 SPECTUNE_PATHS = ("/api/", "/metrics", "/healthz", "/readyz", "/docs", "/redoc", "/openapi.json")

@@ -90,7 +90,8 @@ def api_tokens(settings: Settings) -> dict[str, TokenSpec]:
 def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
     """Engine (unless ``config`` is None) + recorder + metrics + API + scheduler."""
     upgrade(settings.db)
-    db = make_engine(settings.db, pool_pre_ping=True)
+    db = make_engine(settings.db, pool_pre_ping=True, timeout_s=settings.db_timeout_s)
+    maintenance = make_engine(settings.db, pool_pre_ping=True, timeout_s=600)  # retention scans are long
     scheduler = BackgroundScheduler(daemon=True)
     collectors = []
     engine = follower = None
@@ -113,7 +114,7 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         roll_up,
         "interval",
         seconds=settings.retention_interval_s,
-        args=[db, timedelta(days=settings.retention_days)],
+        args=[maintenance, timedelta(days=settings.retention_days)],
         id="retention",
         max_instances=1,
         coalesce=True,
@@ -133,7 +134,7 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         expire_prompts,
         "interval",
         seconds=settings.retention_interval_s,
-        args=[db],
+        args=[maintenance],
         id="prompt-expiry",
         max_instances=1,
         coalesce=True,
@@ -142,7 +143,7 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
     diagnosis = None
     if engine is not None and config.method == "draft_model" and config.draft_model:
         diagnosis = DiagnosisRunner(db, lambda: (engine.config.model, engine.config.draft_model or ""))
-    app = create_app(engine, db, api_tokens(settings), follower, diagnosis)
+    app = create_app(engine, db, api_tokens(settings), follower, diagnosis, max_body_bytes=settings.max_body_bytes)
     if follower is None:  # a follower's policy belongs to its control plane's tuner
 
         def on_change(written: Versioned) -> None:  # in the scheduler's thread

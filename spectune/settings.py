@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     )
     prompt_retention_days: float = Field(default=3.0, gt=0)
     retention_interval_s: int = Field(default=600, ge=10)
+    db_timeout_s: float = Field(
+        default=5.0, gt=0, description="Longest wait for the database per connect or statement (then 503 / retry)"
+    )
+    max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Larger request bodies get 413")
     openai_api_key: SecretStr | None = None
     api_tokens: dict[str, TokenSpec] = Field(
         default_factory=dict,

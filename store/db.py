@@ -12,21 +12,33 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, insert
+from sqlalchemy import Connection, Engine, create_engine, event, insert
 from sqlalchemy.dialects import postgresql, sqlite
 
 from spectune.engine.schema import RequestRecord
 
+from .deadline import StatementDeadline
 from .models import Base, RequestRecordRow
 
 ALEMBIC_DIR = Path(__file__).resolve().parent.parent / "alembic"
 DEFAULT_URL = "sqlite:///var/spectune.db"
 
 
-def make_engine(url: str = DEFAULT_URL, **kwargs: Any) -> Engine:
+def make_engine(url: str = DEFAULT_URL, *, timeout_s: float | None = None, **kwargs: Any) -> Engine:
+    """``timeout_s``: no connect, pool wait or statement takes longer (PostgreSQL; SQLite is a local
+    file and waits at most its busy timeout); the caller gets an ``OperationalError`` instead."""
     if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(url.removeprefix("sqlite:///"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)  # records are operational data: owner only (SQLite's -wal/-shm copy this mode)
+    if timeout_s is not None and url.startswith("postgresql"):
+        connect_args = kwargs.setdefault("connect_args", {})
+        connect_args.setdefault("connect_timeout", max(1, round(timeout_s)))
+        connect_args.setdefault("options", f"-c statement_timeout={int(timeout_s * 1000)}")
+        kwargs.setdefault("pool_timeout", timeout_s)
     engine = create_engine(url, **kwargs)
+    if timeout_s is not None and engine.dialect.name == "postgresql":
+        StatementDeadline(engine, timeout_s + 1)  # the server's own timeout first, when it still answers
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine, "connect")
@@ -76,18 +88,22 @@ def record_row(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def insert_ignoring_duplicates(engine: Engine, table: Any, rows: Sequence[dict[str, Any]]) -> None:
-    """Bulk INSERT that skips rows whose primary key exists (replays are safe)."""
+def insert_ignoring_duplicates(db: Engine | Connection, table: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """Bulk INSERT that skips rows whose primary key exists (replays are safe); on a connection,
+    inside the caller's transaction."""
     if not rows:
         return
-    dialect = engine.dialect.name
+    dialect = db.dialect.name
     if dialect == "postgresql":
         stmt = postgresql.insert(table).on_conflict_do_nothing()
     elif dialect == "sqlite":
         stmt = sqlite.insert(table).on_conflict_do_nothing()
     else:  # pragma: no cover - only the two supported stores
         stmt = insert(table).prefix_with("IGNORE")
-    with engine.begin() as conn:
+    if isinstance(db, Connection):
+        db.execute(stmt, list(rows))
+        return
+    with db.begin() as conn:
         conn.execute(stmt, list(rows))
 
 

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -214,7 +215,11 @@ class DiagnosticsReport(Base):
 
 class AlertEvent(Base):
     __tablename__ = "alert_events"
-    __table_args__ = (Index("ix_alert_events_received", "received_at"),)
+    __table_args__ = (
+        Index("ix_alert_events_received", "received_at"),
+        # Alertmanager repeats a notification; concurrent deliveries must store it once.
+        UniqueConstraint("fingerprint", "status", "starts_at", name="uq_alert_events_notification"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     fingerprint: Mapped[str] = mapped_column(String(64))
@@ -238,3 +243,18 @@ class SampledPrompt(Base):
     completion: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
     expires_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class DeadLetter(Base):
+    """A spooled item the database refused (e.g. NUL in text on PostgreSQL), kept instead of
+    blocking every later record; ``payload`` is the item as ASCII-escaped JSON, so it always stores."""
+
+    __tablename__ = "dead_letters"
+    __table_args__ = (Index("ix_dead_letters_at", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    kind: Mapped[str] = mapped_column(String(16))
+    request_id: Mapped[str | None] = mapped_column(String(128))
+    error: Mapped[str] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(Text)

@@ -9,6 +9,8 @@ process died mid-write) is skipped on replay.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ class Cursor:
 class Spool:
     def __init__(self, directory: str | Path, segment_bytes: int = 16 << 20) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # sampled prompts travel through it
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
         existing = self.segments()
@@ -37,13 +39,20 @@ class Spool:
 
     # -- writer side ---------------------------------------------------------
     def _open(self, number: int):
-        return (self.directory / f"{number:08d}{SUFFIX}").open("ab", buffering=1 << 20)
+        fd = os.open(self.directory / f"{number:08d}{SUFFIX}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        return os.fdopen(fd, "ab", buffering=1 << 20)
+
+    def _encode(self, item: dict) -> bytes:
+        try:
+            return self._encoder.encode(item) + b"\n"
+        except UnicodeEncodeError:  # a lone surrogate (not text): written as "?" rather than losing the record
+            return json.dumps(item, ensure_ascii=False).encode("utf-8", "replace") + b"\n"
 
     def append(self, items: list[dict]) -> None:
         """Append and hand the bytes to the OS (survives kill -9; not a power cut)."""
         if not items:
             return
-        data = b"".join(self._encoder.encode(item) + b"\n" for item in items)
+        data = b"".join(self._encode(item) for item in items)
         with self._lock:
             self._file.write(data)
             self._file.flush()

@@ -73,6 +73,21 @@ class PgServer:
     def stop(self, mode: str = "fast") -> None:
         self._run(_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
 
+    def _processes(self) -> list:
+        import psutil
+
+        postmaster = psutil.Process(int((self.data / "postmaster.pid").read_text().split()[0]))
+        return [postmaster, *postmaster.children(recursive=True)]
+
+    def freeze(self) -> None:
+        """SIGSTOP the server and every backend: connections stay open, nothing answers (a hung database)."""
+        for process in self._processes():
+            process.suspend()
+
+    def thaw(self) -> None:
+        for process in self._processes():
+            process.resume()
+
     def destroy(self) -> None:
         try:
             self.stop("immediate")

@@ -1,8 +1,8 @@
 """Alertmanager webhook receiver: alert notifications become alert events.
 
 Alertmanager re-sends a group's notification on every repeat interval; an
-alert is stored once per (fingerprint, status, startsAt), so repeats are
-idempotent.  A newly firing alert starts a draft diagnosis (for its
+alert is stored once per (fingerprint, status, startsAt) -- a unique key, so
+repeats (also concurrent ones) are idempotent.  A newly firing alert starts a draft diagnosis (for its
 ``class`` label, if any) and is linked to it.
 """
 
@@ -13,7 +13,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import insert, select, update
+from sqlalchemy import update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from spectune.store.models import AlertEvent
 
@@ -44,6 +45,11 @@ class WebhookIn(BaseModel):
     alerts: list[AlertIn] = Field(max_length=1000)
 
 
+def _insert_new(conn: Any) -> Any:
+    dialect = {"postgresql": postgresql, "sqlite": sqlite}[conn.dialect.name]
+    return dialect.insert(AlertEvent).on_conflict_do_nothing(index_elements=["fingerprint", "status", "starts_at"])
+
+
 @router.post("/alerts/alertmanager")
 def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> dict[str, Any]:
     stored, firing = 0, []
@@ -51,28 +57,21 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
     with request.app.state.db.begin() as conn:
         for alert in payload.alerts:
             starts = alert.startsAt if alert.startsAt.tzinfo else alert.startsAt.replace(tzinfo=UTC)
-            seen = conn.execute(
-                select(AlertEvent.id).where(
-                    AlertEvent.fingerprint == alert.fingerprint,
-                    AlertEvent.status == alert.status,
-                    AlertEvent.starts_at == starts,
-                )
-            ).first()
-            if seen is not None:
-                continue
-            event = conn.execute(
-                insert(AlertEvent).values(
-                    fingerprint=alert.fingerprint,
-                    status=alert.status,
-                    alertname=alert.labels.get("alertname", "")[:128],
-                    labels={**alert.labels, **{f"annotation:{k}": v for k, v in alert.annotations.items()}},
-                    starts_at=starts,
-                    received_at=now,
-                )
+            row = dict(
+                fingerprint=alert.fingerprint,
+                status=alert.status,
+                alertname=alert.labels.get("alertname", "")[:128],
+                labels={**alert.labels, **{f"annotation:{k}": v for k, v in alert.annotations.items()}},
+                starts_at=starts,
+                received_at=now,
             )
+            # The unique notification key makes a concurrent repeat a no-op, not a second event.
+            event_id = conn.execute(_insert_new(conn).values(**row).returning(AlertEvent.id)).scalar()
+            if event_id is None:
+                continue
             stored += 1
             if alert.status == "firing":
-                firing.append((event.inserted_primary_key[0], alert.labels.get("class")))
+                firing.append((event_id, alert.labels.get("class")))
     runner = request.app.state.diagnosis
     for event_id, prompt_class in firing if runner is not None else ():
         known = prompt_class if prompt_class in request.app.state.known_classes else None

@@ -81,6 +81,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 # Page offsets stay within a 64-bit integer (SQLite refuses larger ones).
 Offset = Annotated[int, Query(ge=0, le=1_000_000_000)]
+# Ids and versions are PostgreSQL INTEGERs: a larger number names nothing (and would overflow).
+MAX_ID = 2**31 - 1
 
 Viewer = Annotated[Principal, Depends(viewer)]
 Operator = Annotated[Principal, Depends(operator)]

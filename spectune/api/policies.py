@@ -2,7 +2,10 @@
 
 Optimistic concurrency: every read returns ``ETag: "<version>"``; every
 write needs ``If-Match`` with the version it is based on (428 without it,
-409 when it is stale).  ``X-Change-Reason`` goes into the audit trail.
+400 for anything but one strong version ETag, 409 when it is stale).
+``X-Change-Reason`` goes into the audit trail.  The write handlers are
+``async`` (they notify the engine) and run their database work in the
+thread pool, so a hung database never stalls the event loop that serves ``/v1``.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field, ValidationError
 
 from spectune.store.policies import StaleVersionError, Versioned, json_diff
 from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings, validate_document
 
-from .auth import ERRORS, ErrorOut, Offset, Operator, Viewer
+from .auth import ERRORS, MAX_ID, ErrorOut, Offset, Operator, Viewer
 
 router = APIRouter(prefix="/api/v1", tags=["policy"], responses=ERRORS)
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -24,8 +28,10 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
         "description": "Stale If-Match: the policy changed meanwhile (ETag has the current version)",
     },
     400: {"model": ErrorOut, "description": "Malformed If-Match"},
+    428: {"model": ErrorOut, "description": "If-Match missing"},
 }
-IfMatch = Annotated[str, Header(description='The version this write is based on, as returned in ETag, e.g. "3"')]
+IfMatch = Annotated[str | None, Header(description='The version this write is based on, as returned in ETag, e.g. "3"')]
+VersionNumber = Annotated[int, Path(ge=1, le=MAX_ID)]
 Reason = Annotated[str | None, Header(max_length=500, description="Why; recorded in the audit trail")]
 
 
@@ -38,7 +44,7 @@ class PolicyVersionOut(BaseModel):
 
 class RollbackIn(BaseModel):
     model_config = {"extra": "forbid"}
-    version: int = Field(ge=1, le=2**31)
+    version: int = Field(ge=1, le=MAX_ID)
 
 
 def _out(v: Versioned) -> PolicyVersionOut:
@@ -49,16 +55,20 @@ def _etag(version: int) -> str:
     return f'"{version}"'
 
 
-def _expected(if_match: str) -> int:
-    try:
-        version = int(if_match.strip().removeprefix("W/").strip('"'))
-        if not 0 <= version < 2**63:  # the database's BIGINT; beyond it no version ever existed
-            raise ValueError(version)
-        return version
-    except ValueError:
+def _expected(if_match: str | None) -> int:
+    """The version a write is based on; If-Match compares strongly (RFC 9110), so a weak ETag never matches."""
+    if if_match is None:
         raise HTTPException(
-            status.HTTP_400_BAD_REQUEST, f'If-Match must be a version ETag like "3", got {if_match!r}'
-        ) from None
+            status.HTTP_428_PRECONDITION_REQUIRED, 'If-Match required: the ETag of the policy read, e.g. "3"'
+        )
+    value = if_match.strip()
+    if len(value) >= 3 and value[0] == value[-1] == '"' and value[1:-1].isdigit() and value[1:-1].isascii():
+        version = int(value[1:-1])
+        if version <= MAX_ID:  # beyond it no version ever existed
+            return version
+    raise HTTPException(
+        status.HTTP_400_BAD_REQUEST, f'If-Match must be one strong version ETag like "3", got {if_match!r}'
+    )
 
 
 def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
@@ -85,7 +95,7 @@ async def _write(
     request: Request, response: Response, doc: PolicyDocument, expected: int, who: str, reason: str | None, action: str
 ) -> PolicyVersionOut:
     try:
-        written = request.app.state.policies.write(doc.body(), expected, who, reason, action)
+        written = await run_in_threadpool(request.app.state.policies.write, doc.body(), expected, who, reason, action)
     except StaleVersionError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc), headers={"ETag": _etag(exc.current)}) from None
     await request.app.state.on_policy_change(written)
@@ -106,7 +116,7 @@ async def replace_policy(
     response: Response,
     who: Operator,
     body: PolicyDocument,
-    if_match: IfMatch,
+    if_match: IfMatch = None,
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
@@ -134,11 +144,11 @@ async def patch_policy(
     response: Response,
     who: Operator,
     patch: Annotated[dict[str, Any], Body(description="JSON merge patch (RFC 7386) on the policy document")],
-    if_match: IfMatch,
+    if_match: IfMatch = None,
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
-    current = request.app.state.policies.current()
+    current = await run_in_threadpool(request.app.state.policies.current)
     doc = _validated(request, merge_patch(current.body, patch))
     return await _write(request, response, doc, expected, who.name, x_change_reason, "patch")
 
@@ -158,7 +168,7 @@ def _version(request: Request, number: int) -> Versioned:
 
 
 @router.get("/policy/versions/{number}", response_model=PolicyVersionOut)
-def get_version(request: Request, number: Annotated[int, Path(ge=1, le=2**31)], _: Viewer) -> PolicyVersionOut:
+def get_version(request: Request, number: VersionNumber, _: Viewer) -> PolicyVersionOut:
     return _out(_version(request, number))
 
 
@@ -166,8 +176,8 @@ def get_version(request: Request, number: Annotated[int, Path(ge=1, le=2**31)], 
 def diff_versions(
     request: Request,
     _: Viewer,
-    from_: Annotated[int, Query(alias="from", ge=1, le=2**31)],
-    to: Annotated[int, Query(ge=1, le=2**31)],
+    from_: Annotated[int, Query(alias="from", ge=1, le=MAX_ID)],
+    to: Annotated[int, Query(ge=1, le=MAX_ID)],
 ) -> dict[str, Any]:
     return {"from": from_, "to": to, "changes": json_diff(_version(request, from_).body, _version(request, to).body)}
 
@@ -178,11 +188,11 @@ async def rollback(
     response: Response,
     who: Operator,
     body: RollbackIn,
-    if_match: IfMatch,
+    if_match: IfMatch = None,
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
-    target = _version(request, body.version)
+    target = await run_in_threadpool(_version, request, body.version)
     doc = _validated(request, target.body)
     reason = x_change_reason or f"rollback to version {body.version}"
     return await _write(request, response, doc, expected, who.name, reason, "rollback")

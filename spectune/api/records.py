@@ -15,7 +15,7 @@ from sqlalchemy import and_, func, or_, select
 from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
 from spectune.store.steps import add_positions, percentile
 
-from .auth import ERRORS, ErrorOut, Offset, Operator, Viewer
+from .auth import ERRORS, MAX_ID, ErrorOut, Offset, Operator, Principal, Role, Viewer
 
 router = APIRouter(
     prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}}
@@ -221,9 +221,18 @@ def decisions(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 
     return _rows(request, TunerDecision, TunerDecision.at, limit, offset)
 
 
+def _redacted(report: dict[str, Any], who: Principal) -> dict[str, Any]:
+    """Disagreement contexts are fragments of sampled prompts: operators only."""
+    body = report.get("report")
+    if who.role == Role.OPERATOR or not isinstance(body, dict) or not body.get("top_disagreements"):
+        return report
+    hidden = [{**d, "context": None} for d in body["top_disagreements"]]
+    return {**report, "report": {**body, "top_disagreements": hidden, "contexts": "operator role required"}}
+
+
 @router.get("/diagnostics")
-def diagnostics(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
-    return _rows(request, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)
+def diagnostics(request: Request, who: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
+    return [_redacted(r, who) for r in _rows(request, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)]
 
 
 class DiagnosisRequest(BaseModel):
@@ -249,12 +258,12 @@ def trigger_diagnosis(request: Request, body: DiagnosisRequest, _: Operator) -> 
 
 
 @router.get("/diagnostics/{report_id}")
-def diagnostic(request: Request, report_id: Annotated[int, Path(ge=1, le=2**62)], _: Viewer) -> dict[str, Any]:
+def diagnostic(request: Request, report_id: Annotated[int, Path(ge=1, le=MAX_ID)], who: Viewer) -> dict[str, Any]:
     with request.app.state.db.connect() as conn:
         row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).first()
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no diagnostics report {report_id}")
-    return dict(row._mapping)
+    return _redacted(dict(row._mapping), who)
 
 
 @router.get("/alerts")

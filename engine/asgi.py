@@ -1,0 +1,65 @@
+"""Small ASGI helpers shared by vLLM's server wrapper and spectune's request guard."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+async def send_json(send: Any, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def with_header(send: Any, name: bytes, value: bytes) -> Any:
+    async def sending(message: dict) -> None:
+        if message["type"] == "http.response.start" and all(k.lower() != name for k, _ in message["headers"]):
+            message = dict(message, headers=[*message["headers"], (name, value)])
+        await send(message)
+
+    return sending
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Any, limit: int | None = None) -> tuple[bytes, bool]:
+    """(body, complete): complete is False when the client went away before the end.
+    Raises ``BodyTooLarge`` as soon as more than ``limit`` bytes arrived (the rest is never read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise BodyTooLarge(size)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks), True
+
+
+def replay(body: bytes, complete: bool, receive: Any) -> Any:
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls: disconnect detection
+
+    return replayed if complete else receive
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """JSON may escape half of a UTF-16 pair ("\\ud800"): not text, and it fails later in the
+    tokenizer or database as a 500.  Only called when the body has a \\uD8-\\uDF escape."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -1,0 +1,227 @@
+"""Hardening of the control plane and the store, engine-free, on SQLite and PostgreSQL: hostile
+input gets a 4xx in FastAPI's shape (never a 500), a database outage a 503 with a reason, a row the
+database refuses a dead letter (later records keep flowing), repeated alerts one event, prompt text
+only for operators and in owner-only files.  (The engine-side findings: test_hardening_serve.py.)"""
+
+from __future__ import annotations
+
+import json
+import stat
+import threading
+from datetime import UTC, datetime
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import insert, select, text
+
+from spectune.api.auth import Role, TokenSpec
+from spectune.app import create_app
+from spectune.engine.sinks import JsonlSink
+from spectune.store.db import make_engine, upgrade
+from spectune.store.models import AlertEvent, DeadLetter, DiagnosticsReport, RequestRecordRow, SampledPrompt
+from spectune.store.recorder import Recorder
+
+from records import make_records
+
+TOKENS = {
+    "vic": TokenSpec(token="viewer-token", role=Role.VIEWER),
+    "ola": TokenSpec(token="operator-token", role=Role.OPERATOR),
+}
+VIEWER = {"Authorization": "Bearer viewer-token"}
+OPERATOR = {"Authorization": "Bearer operator-token"}
+
+
+@pytest.fixture
+def api(db_url):
+    upgrade(db_url)
+    db = make_engine(db_url, timeout_s=2)
+    with TestClient(create_app(None, db, TOKENS, max_body_bytes=64 << 10)) as client:
+        client.db, client.url = db, db_url
+        yield client
+    db.dispose()
+
+
+def _etag(api) -> str:
+    return api.get("/api/v1/policy", headers=VIEWER).headers["ETag"]
+
+
+def _patch(api, body, **headers):
+    return api.patch(
+        "/api/v1/policy", content=body, headers={**OPERATOR, "content-type": "application/json", **headers}
+    )
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/policy/versions/2147483648",
+        "/api/v1/diagnostics/2147483648",
+        "/api/v1/policy/diff?from=1&to=2147483648",
+        "/api/v1/policy/effective?instance=a%00b",
+        "/api/v1/records?instance=a%00b",
+        "/api/v1/records/2147483648-%00",
+    ],
+)
+def test_out_of_range_ids_and_nul_in_queries_are_4xx(api, path):
+    response = api.get(path, headers=OPERATOR)
+    assert response.status_code in (404, 422), response.text
+    assert "detail" in response.json()
+
+
+def test_nul_and_lone_surrogates_in_bodies_are_422(api):
+    etag = _etag(api)
+    for body in [
+        '{"instances": {"a\\u0000b": {"num_speculative_tokens": 1}}}',
+        '{"global": {"num_speculative_tokens": 1}, "note\\u0000": 1}',
+        '{"instances": {"\\ud800": {"num_speculative_tokens": 1}}}',
+    ]:
+        response = _patch(api, body, **{"If-Match": etag})
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"][0]["loc"] == ["body"]
+    alert = {"status": "firing", "alerts": [{"status": "firing", "labels": {"alertname": "x\u0000"},
+             "startsAt": "2026-12-01T00:00:00Z", "fingerprint": "f"}]}  # fmt: skip
+    response = api.post("/api/v1/alerts/alertmanager", json=alert, headers=OPERATOR)
+    assert response.status_code == 422, response.text
+    assert api.get("/api/v1/policy", headers=VIEWER).headers["ETag"] == etag  # nothing was written
+
+
+def test_if_match_rules(api):
+    body = json.dumps({"global": {"num_speculative_tokens": 2}})
+    assert _patch(api, body).status_code == 428
+    for bad in ['W/"1"', '"2147483648"', '"99999999999999999999999"', "1", '"1", "2"', '"-1"', '"+1"', '" 1"']:
+        response = _patch(api, body, **{"If-Match": bad})
+        assert response.status_code == 400, (bad, response.text)
+    assert _patch(api, body, **{"If-Match": '"1"'}).status_code == 200
+    assert _patch(api, body, **{"If-Match": '"1"'}).status_code == 409
+
+
+def test_bodies_over_the_limit_are_413_before_parsing(api):
+    huge = b'{"global": {}, "pad": "' + b"x" * (100 << 10) + b'"}'
+    response = _patch(api, huge, **{"If-Match": _etag(api)})
+    assert response.status_code == 413 and "bytes" in response.json()["detail"]
+
+    def chunks():  # no Content-Length: refused once the limit is passed
+        for _ in range(100):
+            yield b"x" * 1024
+
+    response = api.patch("/api/v1/policy", content=chunks(), headers={**OPERATOR, "If-Match": _etag(api)})
+    assert response.status_code == 413
+
+
+def test_strict_bearer_scheme_and_viewer_redaction(api):
+    assert api.get("/api/v1/policy", headers={"Authorization": "viewer-token"}).status_code == 401
+    assert api.get("/api/v1/policy", headers={"Authorization": "bearer viewer-token"}).status_code == 200  # RFC 9110
+    report = {"top_disagreements": [{"token": "x", "context": "secret prompt text", "expected_acceptance": 0.1}]}
+    with api.db.begin() as conn:
+        conn.execute(insert(DiagnosticsReport).values(created_at=datetime.now(UTC), trigger="api", status="done",
+                                                      report=report))  # fmt: skip
+    for path in ["/api/v1/diagnostics/1", "/api/v1/diagnostics"]:
+        as_viewer, as_operator = (api.get(path, headers=h).json() for h in (VIEWER, OPERATOR))
+        as_viewer, as_operator = (r[0] if isinstance(r, list) else r for r in (as_viewer, as_operator))
+        assert "secret" not in json.dumps(as_viewer) and as_viewer["report"]["top_disagreements"][0]["token"] == "x"
+        assert as_operator["report"]["top_disagreements"][0]["context"] == "secret prompt text"
+
+
+def test_concurrent_alert_deliveries_store_one_event(api):
+    alert = {"status": "firing", "alerts": [{"status": "firing", "labels": {"alertname": "SpecAcceptanceLow"},
+             "startsAt": "2026-12-01T00:00:00Z", "fingerprint": "abc"}]}  # fmt: skip
+    statuses = []
+    barrier = threading.Barrier(8)
+
+    def deliver():
+        barrier.wait()
+        statuses.append(api.post("/api/v1/alerts/alertmanager", json=alert, headers=OPERATOR).status_code)
+
+    threads = [threading.Thread(target=deliver) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 8
+    with api.db.connect() as conn:
+        assert conn.execute(select(AlertEvent.id)).all() == [(1,)]
+
+
+def test_database_outage_is_503_with_a_reason_and_readyz_says_so(pg_server, request):
+    pg_server.reset()
+    upgrade(pg_server.url)
+    db = make_engine(pg_server.url, timeout_s=1)
+    client = TestClient(create_app(None, db, TOKENS))
+    client.__enter__()
+    request.addfinalizer(lambda: (client.__exit__(None, None, None), db.dispose()))
+    pg_server.stop()
+    request.addfinalizer(pg_server.start)
+    for path in ["/api/v1/policy", "/api/v1/records", "/api/v1/stats/acceptance", "/api/v1/audit", "/api/v1/alerts"]:
+        response = client.get(path, headers=OPERATOR)
+        assert response.status_code == 503 and "database unavailable" in response.json()["detail"], response.text
+        assert response.headers["Retry-After"]
+    assert _patch(client, '{"global": {}}', **{"If-Match": '"1"'}).status_code == 503
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["database"].startswith("unavailable")
+    assert client.get("/healthz").status_code == 200  # alive, just not ready
+
+
+def test_a_refused_row_is_dead_lettered_and_later_records_flow(db_url, tmp_path):
+    upgrade(db_url)
+    db = make_engine(db_url)
+    recorder = Recorder(db, tmp_path / "spool", batch_size=500)
+    bad, *later = make_records(1001, prefix="nul")
+    recorder.submit(bad.model_copy(update={"prompt_text": "a\u0000b", "completion_text": "c"}))
+    for record in later:
+        recorder.submit(record)
+    assert recorder.close(timeout=60)
+    with db.connect() as conn:
+        order = "ctid" if db.dialect.name == "postgresql" else "rowid"
+        ids = [r[0] for r in conn.execute(text(f"SELECT request_id FROM request_records ORDER BY {order}"))]
+        prompts = conn.execute(select(SampledPrompt.request_id)).all()
+        letters = conn.execute(select(DeadLetter)).all()
+    if db.dialect.name == "postgresql":  # PostgreSQL text refuses NUL: the prompt is kept aside, the record stored
+        assert [(d.kind, d.request_id) for d in letters] == [("request", bad.request_id)]
+        assert json.loads(letters[0].payload)["prompt_text"] == "a\u0000b" and "NUL" in letters[0].error
+        assert prompts == [] and recorder.stats.dead_lettered == 1
+    else:  # SQLite stores NUL
+        assert letters == [] and prompts == [(bad.request_id,)]
+    assert ids == [bad.request_id] + [r.request_id for r in later]  # all of them, in order
+    assert recorder.stats.db_up
+    db.dispose()
+
+
+def test_files_holding_records_are_owner_only_and_jsonl_has_no_prompts(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    upgrade(url)
+    recorder = Recorder(make_engine(url), tmp_path / "spool")
+    sink = JsonlSink(tmp_path / "records.jsonl")
+    record = make_records(1)[0].model_copy(update={"prompt_text": "secret", "completion_text": "answer"})
+    recorder.submit(record)
+    sink.submit(record)
+    sink.close()
+    spooled = list((tmp_path / "spool").glob("*.jsonl"))
+    for path in [tmp_path / "s.db", tmp_path / "records.jsonl", *spooled]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
+    assert "secret" not in (tmp_path / "records.jsonl").read_text()
+    assert json.loads((tmp_path / "records.jsonl").read_text())["request_id"] == record.request_id
+    recorder.close()
+
+
+def test_migration_keeps_one_of_each_duplicate_alert(db_url):
+    from spectune.store.db import upgrade as migrate
+
+    migrate(db_url, "0001")
+    db = make_engine(db_url)
+    at = datetime(2026, 12, 1, tzinfo=UTC)
+    row = dict(fingerprint="f", status="firing", alertname="a", labels={}, starts_at=at, received_at=at)
+    with db.begin() as conn:  # the old check-then-insert race stored these twice
+        conn.execute(insert(AlertEvent.__table__), [row, row, {**row, "status": "resolved"}])
+        conn.execute(insert(RequestRecordRow.__table__), [_row(r) for r in make_records(3, prefix="old")])
+    migrate(db_url)
+    with db.connect() as conn:
+        assert sorted(conn.execute(select(AlertEvent.id, AlertEvent.status)).all()) == [(1, "firing"), (3, "resolved")]
+        assert len(conn.execute(select(RequestRecordRow.request_id)).all()) == 3
+    db.dispose()
+
+
+def _row(record):
+    from spectune.store.db import record_row
+
+    return record_row(record.model_dump())
