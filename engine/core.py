@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import drafter, requests, vllm_args
+from . import drafter, requests, stats, vllm_args
 from .classifier import UnknownClassError
 from .config import EngineConfig
 from .requests import EngineUnavailableError, GenerationRequest, InvalidRequestError
@@ -83,6 +83,7 @@ class SpecEngine:
         self._last_batch = 0
         self._tasks: set[asyncio.Task] = set()
         self._recovery: asyncio.Task | None = None
+        self.recoveries = 0  # target-only rebuilds after the engine died
         # Called with (settings, capacity) whenever settings take effect.
         self.settings_listeners: list[Callable[[RuntimeSettings, int], None]] = []
         # Awaited after every (re)start, before requests are admitted (the OpenAI layer rebinds).
@@ -158,6 +159,7 @@ class SpecEngine:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         drafter.check_supported()
+        stats.check_supported()
         _quiet_iteration_logs()
         if current_platform.is_cpu():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
@@ -392,4 +394,5 @@ class SpecEngine:
             # A crashing drafter must not become an outage: come back target-only.
             self.degraded_reason = f"engine died with speculation on: {exc}"[:2000]
             log.error("%s; rebuilding target-only", self.degraded_reason)
+            self.recoveries += 1
             self._recovery = self.spawn(self.rebuild(self.config.target_only()))

@@ -8,7 +8,10 @@ every path it does not own (``spectune/app.py``): it answers 503 until the engin
 state after every engine (re)start, holds requests while the engine
 rebuilds, and reads the prompt class a request
 asks for (``engine/requests.py``) -- an unknown class is a 400 in vLLM's
-error shape before anything runs.
+error shape before anything runs.  It also refuses lone UTF-16 surrogates
+(vLLM answers some with a 500), and gives every generation request an
+``X-Request-Id`` (the client's, checked, or a new one) that vLLM turns into the
+response id -- the record id -- and that comes back as a response header.
 """
 
 from __future__ import annotations

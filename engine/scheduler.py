@@ -48,8 +48,8 @@ TOKEN_PROPOSERS = frozenset({"ngram", "ngram_gpu", "suffix"})
 
 def _request_tag(request: Any) -> tuple[str, bool]:
     """(prompt class, is a probe) from the request's sampling extra_args."""
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) or {}
+    params = request.sampling_params  # None for pooling requests
+    extra = (params.extra_args if params is not None else None) or {}
     return extra.get(CLASS_ARG, DEFAULT_CLASS), bool(extra.get(PROBE_ARG, False))
 
 

@@ -24,13 +24,51 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from .drafter import UnsupportedVllmError
 from .schema import StepRecord
+
+# The fields of vLLM's stats that step records read: checked at start-up (``check_supported``) so a
+# renamed field fails the start instead of turning into zeros in every record.
+FIELDS_READ = {
+    "SchedulerStats": {"num_running_reqs", "iteration_details", "spec_decoding_stats"},
+    "SchedulerIterationDetails": {
+        "num_ctx_requests",
+        "num_ctx_tokens",
+        "num_generation_requests",
+        "num_generation_tokens",
+        "elapsed_ms",
+    },
+    "SpecDecodingStats": {
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "num_draft_tokens_per_pos",
+        "num_accepted_tokens_per_pos",
+    },
+}
+
+
+def check_supported() -> None:
+    import dataclasses
+
+    from vllm.v1.metrics import stats
+    from vllm.v1.spec_decode import metrics
+
+    classes = {"SchedulerStats": stats, "SchedulerIterationDetails": stats, "SpecDecodingStats": metrics}
+    missing = []
+    for name, module in classes.items():
+        cls = getattr(module, name, None)
+        present = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        missing += [f"{name}.{field}" for field in sorted(FIELDS_READ[name] - present)]
+    if missing:
+        raise UnsupportedVllmError(f"vLLM's step statistics lack {', '.join(missing)}: step records would be wrong")
 
 
 def step_record(instance_id: str, scheduler_stats: Any, now: float, last: float) -> StepRecord:
-    """Build a StepRecord from vLLM's SchedulerStats (pure)."""
-    details = getattr(scheduler_stats, "iteration_details", None)
-    spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+    """Build a StepRecord from vLLM's SchedulerStats (pure).  Both parts are optional in vLLM:
+    iteration details only when asked for, spec-decode stats only in steps that speculated."""
+    details = scheduler_stats.iteration_details
+    spec = scheduler_stats.spec_decoding_stats
     if details is not None:
         prefill, decode = details.num_ctx_requests, details.num_generation_requests
         tokens = details.num_ctx_tokens + details.num_generation_tokens
@@ -38,7 +76,7 @@ def step_record(instance_id: str, scheduler_stats: Any, now: float, last: float)
     else:
         prefill, decode = 0, scheduler_stats.num_running_reqs
         tokens, step_time = decode, max(0.0, now - last)
-    drafted_per_pos = list(getattr(spec, "num_draft_tokens_per_pos", []) or [])
+    drafted_per_pos = list(spec.num_draft_tokens_per_pos) if spec is not None else []
     return StepRecord(
         instance_id=instance_id,
         time=now,
@@ -48,10 +86,10 @@ def step_record(instance_id: str, scheduler_stats: Any, now: float, last: float)
         num_scheduled_tokens=tokens,
         step_time_s=step_time,
         num_speculative_tokens=sum(1 for d in drafted_per_pos if d > 0),
-        num_drafts=getattr(spec, "num_drafts", 0) or 0,
-        num_draft_tokens=getattr(spec, "num_draft_tokens", 0) or 0,
-        num_accepted_tokens=getattr(spec, "num_accepted_tokens", 0) or 0,
-        accepted_per_position=list(getattr(spec, "num_accepted_tokens_per_pos", []) or []),
+        num_drafts=spec.num_drafts if spec is not None else 0,
+        num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+        num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        accepted_per_position=list(spec.num_accepted_tokens_per_pos) if spec is not None else [],
     )
 
 

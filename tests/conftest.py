@@ -211,7 +211,8 @@ def serve_tiny(
 
 
 class CompletionLoad:
-    """Threads posting greedy completions until the block ends; failures are collected."""
+    """Threads posting greedy completions until the block ends; every failure (a non-200, a
+    connection error, a timeout) is collected."""
 
     def __init__(self, base: str, workers: int = 4, max_tokens: int = 24) -> None:
         import threading
@@ -232,7 +233,11 @@ class CompletionLoad:
         }
         with httpx.Client(timeout=120) as client:
             while not self.stop.is_set():
-                r = client.post(f"{self.base}/v1/completions", json=body)
+                try:
+                    r = client.post(f"{self.base}/v1/completions", json=body)
+                except Exception as exc:  # a refused connection or a timeout fails the load too
+                    self.failures.append(repr(exc))
+                    continue
                 if r.status_code != 200:
                     self.failures.append(r.text)
 

