@@ -1,6 +1,7 @@
 """Is "off" free?  Speculation at N=0 against a plain engine, side by side, arms alternating.
 
-    python -m benchmarks.off_state [--method draft_model|ngram] [--max-tokens 32] [--passes 1] [--out FILE]
+    python -m benchmarks.off_state [--method draft_model|ngram] [--max-tokens 32] [--passes 1] [--off-only]
+                                   [--out FILE]
 
 Two engines on the demo pair (bf16) are up at once (three do not fit in 24 GiB):
 a plain engine (``--method none``) and the speculative engine of ``--method``.
@@ -10,7 +11,7 @@ wave is ``concurrency`` prompts sent together: A B C ... on wave 1, then on wave
 
 * plain                       -- the baseline every ratio is against
 * N=0                         -- speculation switched off everywhere
-* N=1, N=3                    -- speculation on, for context
+* N=1, N=3                    -- speculation on, for context (left out with ``--off-only``)
 * one class off               -- batch 1 only: requests alternate between a class switched
                                  off and a class at N=3; the off class's tokens/s vs plain
                                  on the same prompts
@@ -60,9 +61,9 @@ def _n(n: int) -> RuntimeSettings:
     return RuntimeSettings(num_speculative_tokens=n, speculation_enabled=n > 0)
 
 
-def arms(method: str) -> tuple[Arm, ...]:
+def arms(method: str, off_only: bool = False) -> tuple[Arm, ...]:
     short = "draft" if method == "draft_model" else method
-    return (
+    every = (
         Arm("plain (--method none)", "plain", _n(0)),
         Arm(f"{short} N=0", "spec", _n(0)),
         Arm(f"{short} N=1", "spec", _n(1)),
@@ -74,6 +75,7 @@ def arms(method: str) -> tuple[Arm, ...]:
             mixed=True,
         ),
     )
+    return tuple(a for a in every if not (off_only and a.name in (f"{short} N=1", f"{short} N=3")))
 
 
 def engine_config(target: str, method: str, draft: str | None) -> EngineConfig:
@@ -125,7 +127,7 @@ def sequential_tok_s(records: list[RequestRecord], keep: set[int]) -> float:
     return sum(r.output_tokens for r in kept) / sum(r.e2e_s for r in kept)
 
 
-async def main(method: str, max_tokens: int, passes: int, out: Path | None) -> None:
+async def main(method: str, max_tokens: int, passes: int, out: Path | None, off_only: bool = False) -> None:
     console = Console()
     pair = {k: str(v) for k, v in demo_pair_paths().items()}
     engines: dict[str, tuple[SpecEngine, MemorySink]] = {}
@@ -152,7 +154,7 @@ async def main(method: str, max_tokens: int, passes: int, out: Path | None) -> N
             waves = [list(range(i, min(i + concurrency, len(PROMPTS)))) for i in range(0, len(PROMPTS), concurrency)]
             for _ in range(passes):
                 for w, wave in enumerate(waves):
-                    for arm in arms(method):
+                    for arm in arms(method, off_only):
                         if arm.mixed and concurrency != 1:
                             continue
                         key = (arm.name, concurrency)
@@ -195,7 +197,7 @@ async def main(method: str, max_tokens: int, passes: int, out: Path | None) -> N
         "|---|---|---|---|---|",
     ]
     for concurrency in CONCURRENCY:
-        for arm in arms(method):
+        for arm in arms(method, off_only):
             key = (arm.name, concurrency)
             if key not in tok_s:
                 continue
@@ -214,7 +216,8 @@ if __name__ == "__main__":
     parser.add_argument("--method", choices=["draft_model", "ngram"], default="draft_model")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--passes", type=int, default=1)
+    parser.add_argument("--off-only", action="store_true", help="only plain, N=0 and one-class-off (half the time)")
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/off_state_<method>.md")
     args = parser.parse_args()
     out = args.out or Path(f"benchmarks/results/off_state_{args.method}.md")
-    asyncio.run(main(args.method, args.max_tokens, args.passes, out))
+    asyncio.run(main(args.method, args.max_tokens, args.passes, out, args.off_only))

@@ -179,7 +179,12 @@ class RecorderCollector:
         for name, doc, value in (
             ("spectune_records_spooled", "Records written to the on-disk spool", s.spooled),
             ("spectune_records_shipped", "Spool items inserted into the database", s.shipped),
-            ("spectune_records_dropped", "Records dropped because the recorder queue was full", s.dropped),
+            ("spectune_records_dropped", "Records lost because the spool could not be written", s.dropped),
+            (
+                "spectune_records_dead_lettered",
+                "Spool items the database refused, kept in dead_letters (later records flow)",
+                s.dead_lettered,
+            ),
             ("spectune_database_errors", "Failed database writes (retried from the spool)", s.db_errors),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -78,7 +78,7 @@ def test_concurrent_patches_one_wins(api):
     history = api.get("/api/v1/policy/versions", headers=VIEWER).json()
     assert [v["version"] for v in history] == [2, 1]  # exactly one change
     missing = api.patch("/api/v1/policy", json={}, headers=OPERATOR)  # If-Match is required
-    assert missing.status_code == 422 and "if-match" in missing.text.lower()
+    assert missing.status_code == 428 and "if-match" in missing.text.lower()
 
 
 @pytest.mark.parametrize(
@@ -176,7 +176,7 @@ def test_records_pagination_and_stats(api):
     ]
     lat = api.get("/api/v1/stats/latency", params={"window_s": 3600}, headers=VIEWER).json()
     assert {c["class"] for c in lat["classes"]} == {"qa", "long"} and lat["classes"][0]["e2e_s"]["p50"] == 1.0
-    assert api.get("/api/v1/records", params={"cursor": "garbage"}, headers=VIEWER).status_code == 400
+    assert api.get("/api/v1/records", params={"cursor": "garbage"}, headers=VIEWER).status_code == 422
     assert api.get("/api/v1/records", params={"class": "nope"}, headers=VIEWER).status_code == 404
     assert api.get("/api/v1/stats/acceptance", params={"window_s": -1}, headers=VIEWER).status_code == 422
 

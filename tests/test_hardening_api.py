@@ -269,3 +269,30 @@ def test_a_hung_postgresql_fails_every_round_trip_fast(pg_server):
     with db.connect() as conn:
         assert conn.execute(text("SELECT 1")).scalar() == 1  # back at once; broken connections discarded
     db.dispose()
+
+
+def test_store_alerts_are_stored_without_starting_a_diagnosis(tmp_path, tiny):
+    from spectune.tuner.diagnosis_job import DiagnosisRunner
+
+    url = f"sqlite:///{tmp_path}/cp.db"
+    upgrade(url)
+    db = make_engine(url)
+    runner = DiagnosisRunner(db, lambda: (str(tiny["target"]), str(tiny["copy"])))
+    alerts = [
+        {
+            "status": "firing",
+            "labels": {"alertname": name, **extra},
+            "startsAt": "2026-12-01T00:00:00Z",
+            "fingerprint": name,
+        }
+        for name, extra in [("SpectuneDatabaseDown", {"diagnose": "false"}), ("SpecAcceptanceLow", {})]
+    ]
+    with TestClient(create_app(None, db, TOKENS, diagnosis=runner)) as client:
+        response = client.post("/api/v1/alerts/alertmanager", json={"status": "firing", "alerts": alerts},
+                               headers=OPERATOR)  # fmt: skip
+        assert response.json() == {"received": 2, "stored": 2}
+    runner.shutdown()
+    with db.connect() as conn:
+        linked = dict(conn.execute(select(AlertEvent.alertname, AlertEvent.diagnosis_id)).all())
+    assert linked["SpectuneDatabaseDown"] is None and linked["SpecAcceptanceLow"] is not None
+    db.dispose()

@@ -3,7 +3,8 @@
 Alertmanager re-sends a group's notification on every repeat interval; an
 alert is stored once per (fingerprint, status, startsAt) -- a unique key, so
 repeats (also concurrent ones) are idempotent.  A newly firing alert starts a draft diagnosis (for its
-``class`` label, if any) and is linked to it.
+``class`` label, if any) and is linked to it -- unless it is labelled
+``diagnose: "false"`` (the store's own alerts: not the draft's doing).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
             if event_id is None:
                 continue
             stored += 1
-            if alert.status == "firing":
+            if alert.status == "firing" and alert.labels.get("diagnose") != "false":
                 firing.append((event_id, alert.labels.get("class")))
     runner = request.app.state.diagnosis
     for event_id, prompt_class in firing if runner is not None else ():

@@ -30,7 +30,14 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "Malformed If-Match"},
     428: {"model": ErrorOut, "description": "If-Match missing"},
 }
-IfMatch = Annotated[str | None, Header(description='The version this write is based on, as returned in ETag, e.g. "3"')]
+IfMatch = Annotated[
+    str,  # optional (the handlers default it to None, answered 428); `str | None` would document a null header
+    # The pattern documents the form (checked by _expected, which answers 400 rather than FastAPI's 422).
+    Header(
+        description='The version this write is based on, as returned in ETag, e.g. "3"',
+        json_schema_extra={"pattern": '^"[0-9]{1,9}"$'},
+    ),
+]
 VersionNumber = Annotated[int, Path(ge=1, le=MAX_ID)]
 Reason = Annotated[str | None, Header(max_length=500, description="Why; recorded in the audit trail")]
 

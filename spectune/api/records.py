@@ -34,7 +34,8 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         when, request_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
         return datetime.fromisoformat(when), request_id
     except (ValueError, UnicodeDecodeError):
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, "cursor is not one this API returned") from None
+        detail = [{"loc": ["query", "cursor"], "msg": "not a cursor this API returned", "type": "value_error"}]
+        raise HTTPException(422, detail) from None
 
 
 def _known_class(request: Request, prompt_class: str | None) -> None:
