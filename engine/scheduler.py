@@ -168,7 +168,7 @@ def _spectune_apply(self: EngineCore, settings: dict[str, Any]) -> int:
 
 # Functions run in every worker, by name (the executor pickles them when workers are processes).
 WORKER_CALLS = {
-    "free_off_state_installed": drafter.installed,
+    "install_free_off_state": drafter.install_in_worker,
     "count_draft_forwards": drafter.count_draft_forwards,
 }
 

@@ -120,6 +120,13 @@ VIEWER = {"Authorization": "Bearer viewer-token"}
 OPERATOR = {"Authorization": "Bearer operator-token"}
 
 
+def token_specs() -> dict:
+    """API_TOKENS as the app takes them (for create_app in-process)."""
+    from spectune.api.auth import TokenSpec
+
+    return {name: TokenSpec.model_validate(spec) for name, spec in API_TOKENS.items()}
+
+
 @dataclass
 class Served:
     base: str
@@ -211,15 +218,15 @@ def serve_tiny(
 
 
 class CompletionLoad:
-    """Threads posting greedy completions until the block ends; every failure (a non-200, a
-    connection error, a timeout) is collected."""
+    """Threads posting greedy completions until the block ends; the id of every answered response
+    is kept, every failure (a non-200, a connection error, a timeout) is collected."""
 
     def __init__(self, base: str, workers: int = 4, max_tokens: int = 24) -> None:
         import threading
 
-        self.base, self.max_tokens, self.failures = base, max_tokens, []
+        self.base, self.max_tokens, self.failures, self.done = base, max_tokens, [], []
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run) for _ in range(workers)]
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
 
     def _run(self) -> None:
         import httpx
@@ -240,6 +247,8 @@ class CompletionLoad:
                     continue
                 if r.status_code != 200:
                     self.failures.append(r.text)
+                else:
+                    self.done.append(r.json()["id"])  # the whole answer arrived
 
     def __enter__(self) -> CompletionLoad:
         for t in self.threads:

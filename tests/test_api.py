@@ -10,18 +10,13 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.store.db import insert_records, make_engine, upgrade
 
+from conftest import OPERATOR, VIEWER, token_specs
 from records import make_records
 
-TOKENS = {
-    "vic": TokenSpec(token="viewer-token", role=Role.VIEWER),
-    "ola": TokenSpec(token="operator-token", role=Role.OPERATOR),
-}
-VIEWER = {"Authorization": "Bearer viewer-token"}
-OPERATOR = {"Authorization": "Bearer operator-token"}
+TOKENS = token_specs()
 
 
 @pytest.fixture

@@ -14,21 +14,16 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, select, text
 
-from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.engine.sinks import JsonlSink
 from spectune.store.db import make_engine, upgrade
 from spectune.store.models import AlertEvent, DeadLetter, DiagnosticsReport, RequestRecordRow, SampledPrompt
 from spectune.store.recorder import Recorder
 
+from conftest import OPERATOR, VIEWER, token_specs
 from records import make_records
 
-TOKENS = {
-    "vic": TokenSpec(token="viewer-token", role=Role.VIEWER),
-    "ola": TokenSpec(token="operator-token", role=Role.OPERATOR),
-}
-VIEWER = {"Authorization": "Bearer viewer-token"}
-OPERATOR = {"Authorization": "Bearer operator-token"}
+TOKENS = token_specs()
 
 
 @pytest.fixture

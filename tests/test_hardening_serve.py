@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import OPERATOR, serve_tiny
+from conftest import OPERATOR, CompletionLoad, serve_tiny
 
 HOSTILE = [
     {"prompt": "\ud800"},
@@ -147,36 +147,6 @@ def test_fuzzed_v1_requests_never_get_a_5xx(served):
 # -- slow tier: engines of their own --------------------------------------------------------------
 
 
-class _Load:
-    """Threads posting completions; every answered response's id is kept, every failure counted."""
-
-    def __init__(self, base: str, workers: int = 4) -> None:
-        self.base, self.done, self.errors = base, [], []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=30) as client:
-            while not self.stop.is_set():
-                try:
-                    body = {"model": "target", "prompt": "the draft", "max_tokens": 6, "temperature": 0}
-                    response = client.post(f"{self.base}/v1/completions", json=body)
-                    response.raise_for_status()
-                    self.done.append(response.json()["id"])  # the whole answer arrived
-                except Exception as exc:  # connection refused / reset once the server is killed
-                    self.errors.append(exc)
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_kill_9_under_load_keeps_every_answered_record(tiny, tmp_path, request, kind):
@@ -192,7 +162,7 @@ def test_kill_9_under_load_keeps_every_answered_record(tiny, tmp_path, request, 
         server.reset()
         url = server.url
     proc, base = serve_tiny(tiny, tmp_path, "--db", url, SPECTUNE_TUNER_INTERVAL_S="86400")
-    with _Load(base, workers=6) as load:
+    with CompletionLoad(base, workers=6, max_tokens=6) as load:
         deadline = time.time() + 120
         while len(load.done) < 150 and time.time() < deadline:
             time.sleep(0.05)

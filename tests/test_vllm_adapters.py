@@ -56,6 +56,24 @@ def test_install_skips_the_forward_only_at_k0(monkeypatch):
         SpecDecodeBaseProposer.propose(proposer, 0)
 
 
+def test_install_skips_the_ngram_search_only_at_k0(monkeypatch):
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    calls = []
+
+    def stock(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None):
+        calls.append(num_speculative_tokens)
+        return [[7] * num_speculative_tokens for _ in sampled_token_ids]
+
+    monkeypatch.setattr(NgramProposer, "propose", stock)
+    monkeypatch.setattr(SpecDecodeBaseProposer, "propose", SpecDecodeBaseProposer.propose)  # restored after
+    drafter.install()
+    assert drafter.install_in_worker()  # both proposers wrapped (what the engine checks at start)
+    proposer = NgramProposer.__new__(NgramProposer)
+    assert NgramProposer.propose(proposer, 0, [[1], [2], []]) == [[], [], []] and calls == []
+    assert NgramProposer.propose(proposer, 2, [[1], [2]]) == [[7, 7], [7, 7]] and calls == [2]
+
+
 def test_sampling_constraints_over_zero_draft_rows_no_longer_kill_the_worker():
     """vLLM's top-k over an empty draft batch takes max() of nothing; the guard returns the rows unchanged."""
     import torch
