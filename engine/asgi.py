@@ -63,3 +63,20 @@ def has_lone_surrogate(value: Any) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+INT64_MAX = 2**63 - 1
+
+
+def has_huge_int(value: Any) -> bool:
+    """An integer outside int64 anywhere in parsed JSON: vLLM turns some fields (``top_k``, ...) into
+    C integers and fails with a 500 on them.  Only called when the body has a run of 19+ digits."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not -INT64_MAX - 1 <= value <= INT64_MAX
+    if isinstance(value, dict):
+        return any(has_huge_int(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_huge_int(v) for v in value)
+    return False

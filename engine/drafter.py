@@ -51,7 +51,7 @@ def _ngram_proposer_class() -> type:
     return NgramProposer
 
 
-def check_supported(ngram: bool = True) -> None:
+def check_supported() -> None:
     """Fail unless this is the vLLM version spectune was tested with (or the operator
     opted out with SPECTUNE_ALLOW_UNTESTED_VLLM=1) and ``propose`` still takes K first
     and the attention metadata by name."""
@@ -80,11 +80,10 @@ def check_supported(ngram: bool = True) -> None:
         )
     if "num_spec_tokens_to_schedule" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         raise UnsupportedVllmError("free off state: SchedulerOutput has no num_spec_tokens_to_schedule")
-    if ngram:
-        _check_ngram()
 
 
 def _check_ngram() -> None:
+    """Only in a worker after its init (``install_in_worker``): see there."""
     try:
         proposer = _ngram_proposer_class()
     except ImportError as exc:
@@ -100,7 +99,7 @@ def _check_ngram() -> None:
 def install() -> None:
     """Replace the draft proposer's ``propose`` with one that skips the forward at K=0 (idempotent;
     at plugin load, in every vLLM process)."""
-    check_supported(ngram=False)  # the ngram module is checked when its wrapper goes in
+    check_supported()  # the ngram proposer is checked when its wrapper goes in
 
     def skip_draft_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
@@ -118,7 +117,8 @@ def install() -> None:
 def install_in_worker(worker: Any = None) -> bool:
     """Also replace the ngram proposer's, then say whether both are in place.  Run in each worker
     at engine start (``SpecEngine._check_free_off_state``), not at plugin load: its module imports
-    numba, whose objects break vLLM's kernel registry scan if they exist before the worker's init."""
+    numba, whose llvmlite objects break vLLM's kernel-registry scan (``register_triton_kernel_overrides``
+    reads every module attribute's ``__dict__``) in any process that registers kernels after it."""
 
     _check_ngram()
 

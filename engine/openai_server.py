@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 
-from .asgi import has_lone_surrogate, read_body, replay, send_json, with_header
+from .asgi import has_huge_int, has_lone_surrogate, read_body, replay, send_json, with_header
 from .classifier import UnknownClassError
 from .client import SpectuneEngineClient
 from .requests import CLASS_FIELD, CLASS_HEADER, REQUEST_CONTEXT, RequestContext
@@ -122,9 +122,8 @@ class OpenAIServer:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         body, more = await read_body(receive)
-        if (b"\\ud" in body or b"\\uD" in body) and _parses_with_lone_surrogate(body):
-            error = VLLMValidationError("the request has a lone UTF-16 surrogate escape: not valid Unicode text")
-            return await send_json(send, *_error(error))
+        if problem := _unservable(body):
+            return await send_json(send, *_error(VLLMValidationError(problem)))
         if scope["path"] not in _JSON_ROUTES:
             return await self.app(scope, replay(body, more, receive), send)
         headers = dict(scope["headers"])
@@ -180,8 +179,22 @@ class OpenAIServer:
         return RequestContext(chosen, single_prompt_completion=single), rewritten, None
 
 
-def _parses_with_lone_surrogate(body: bytes) -> bool:
+_LONG_NUMBER = re.compile(rb"[0-9]{19,}")
+
+
+def _unservable(body: bytes) -> str | None:
+    """What vLLM would answer with a 500 although the client is at fault (parsed only when the
+    bytes hint at it: a \\uD8-\\uDF escape, a number of 19 or more digits)."""
+    surrogate = b"\\ud" in body or b"\\uD" in body
+    long_number = _LONG_NUMBER.search(body) is not None
+    if not (surrogate or long_number):
+        return None
     try:
-        return has_lone_surrogate(json.loads(body))
+        data = json.loads(body)
     except ValueError:
-        return False  # not JSON: vLLM answers that itself
+        return None  # not JSON: vLLM answers that itself
+    if surrogate and has_lone_surrogate(data):
+        return "the request has a lone UTF-16 surrogate escape: not valid Unicode text"
+    if long_number and has_huge_int(data):
+        return "the request has an integer outside the signed 64-bit range"
+    return None
