@@ -42,7 +42,7 @@ def ingest_rate(url: str, n: int, spool: Path) -> float:
     upgrade(url)
     db = make_engine(url)
     records = make_records(n, prefix=f"b{time.time_ns()}")
-    recorder = Recorder(db, spool, queue_size=n + 1)
+    recorder = Recorder(db, spool)
     start = time.perf_counter()
     for r in records:
         recorder.submit(r)

@@ -27,41 +27,43 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from .drafter import UnsupportedVllmError
 from .schema import StepRecord
 
-# The fields of vLLM's stats that step records read: checked at start-up (``check_supported``) so a
-# renamed field fails the start instead of turning into zeros in every record.
+# The fields of vLLM's stats and outputs that step and request records read (here and in
+# ``telemetry.py``): checked at start-up (``check_supported``) so a renamed field fails the start
+# instead of turning into zeros in every record.
 FIELDS_READ = {
-    "SchedulerStats": {"num_running_reqs", "iteration_details", "spec_decoding_stats"},
-    "SchedulerIterationDetails": {
+    "vllm.v1.metrics.stats.SchedulerStats": {"num_running_reqs", "iteration_details", "spec_decoding_stats"},
+    "vllm.v1.metrics.stats.SchedulerIterationDetails": {
         "num_ctx_requests",
         "num_ctx_tokens",
         "num_generation_requests",
         "num_generation_tokens",
         "elapsed_ms",
     },
-    "SpecDecodingStats": {
+    "vllm.v1.spec_decode.metrics.SpecDecodingStats": {
         "num_drafts",
         "num_draft_tokens",
         "num_accepted_tokens",
         "num_draft_tokens_per_pos",
         "num_accepted_tokens_per_pos",
     },
+    "vllm.outputs.CompletionOutput": {"index", "text", "token_ids", "finish_reason", "spec_decode_metrics"},
+    "vllm.v1.metrics.stats.RequestStateStats": {"arrival_time", "first_token_latency"},
+    "vllm.v1.metrics.stats.RequestSpecDecodeMetrics": {"per_step_accepted", "per_step_drafted", "num_draft_tokens"},
 }
 
 
 def check_supported() -> None:
     import dataclasses
+    import importlib
 
-    from vllm.v1.metrics import stats
-    from vllm.v1.spec_decode import metrics
-
-    classes = {"SchedulerStats": stats, "SchedulerIterationDetails": stats, "SpecDecodingStats": metrics}
     missing = []
-    for name, module in classes.items():
-        cls = getattr(module, name, None)
+    for path, fields in FIELDS_READ.items():
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
         present = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        missing += [f"{name}.{field}" for field in sorted(FIELDS_READ[name] - present)]
+        missing += [f"{name}.{field}" for field in sorted(fields - present)]
     if missing:
-        raise UnsupportedVllmError(f"vLLM's step statistics lack {', '.join(missing)}: step records would be wrong")
+        raise UnsupportedVllmError(f"vLLM's statistics and outputs lack {', '.join(missing)}: records would be wrong")
 
 
 def step_record(instance_id: str, scheduler_stats: Any, now: float, last: float) -> StepRecord:

@@ -109,7 +109,8 @@ def test_step_statistics_fields_are_checked_at_start(monkeypatch):
     from spectune.engine import stats
 
     stats.check_supported()  # the pinned vLLM has every field step records read
-    changed = {**stats.FIELDS_READ, "SpecDecodingStats": stats.FIELDS_READ["SpecDecodingStats"] | {"num_drafted"}}
+    path = "vllm.v1.spec_decode.metrics.SpecDecodingStats"
+    changed = {**stats.FIELDS_READ, path: stats.FIELDS_READ[path] | {"num_drafted"}}
     monkeypatch.setattr(stats, "FIELDS_READ", changed)
     with pytest.raises(drafter.UnsupportedVllmError, match=r"SpecDecodingStats\.num_drafted"):
         stats.check_supported()
