@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -68,15 +69,23 @@ def has_lone_surrogate(value: Any) -> bool:
 INT64_MAX = 2**63 - 1
 
 
+def json_leaves(value: Any) -> Iterator[Any]:
+    """Every key and scalar of parsed JSON (the one walk the body checks share)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from json_leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from json_leaves(item)
+    else:
+        yield value
+
+
 def has_huge_int(value: Any) -> bool:
     """An integer outside int64 anywhere in parsed JSON: vLLM turns some fields (``top_k``, ...) into
     C integers and fails with a 500 on them.  Only called when the body has a run of 19+ digits."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return not -INT64_MAX - 1 <= value <= INT64_MAX
-    if isinstance(value, dict):
-        return any(has_huge_int(v) for v in value.values())
-    if isinstance(value, list):
-        return any(has_huge_int(v) for v in value)
-    return False
+    return any(
+        isinstance(v, int) and not isinstance(v, bool) and not -INT64_MAX - 1 <= v <= INT64_MAX
+        for v in json_leaves(value)
+    )

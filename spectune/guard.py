@@ -19,7 +19,7 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from spectune.engine.asgi import BodyTooLarge, has_lone_surrogate, read_body, replay, send_json
+from spectune.engine.asgi import BodyTooLarge, has_lone_surrogate, json_leaves, read_body, replay, send_json
 
 API_PREFIX = "/api/"
 
@@ -67,16 +67,6 @@ def _unstorable(body: bytes) -> str | None:
         return None  # not JSON: the route says so itself
     if has_lone_surrogate(data):
         return "the body has a lone UTF-16 surrogate escape: not valid Unicode text"
-    if _has_nul(data):
+    if any(isinstance(v, str) and "\x00" in v for v in json_leaves(data)):
         return "NUL characters are not accepted"
     return None
-
-
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
-    return False
