@@ -1,6 +1,6 @@
 """Is "off" free?  Speculation at N=0 against a plain engine, side by side, arms alternating.
 
-    python -m benchmarks.off_state [--method draft_model|ngram] [--max-tokens 32] [--passes 1] [--off-only]
+    python -m benchmarks.off_state [--method draft_model|ngram|suffix] [--max-tokens 32] [--passes 1] [--off-only]
                                    [--out FILE]
 
 Two engines on the demo pair (bf16) are up at once (three do not fit in 24 GiB):
@@ -213,7 +213,7 @@ async def main(method: str, max_tokens: int, passes: int, out: Path | None, off_
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=["draft_model", "ngram"], default="draft_model")
+    parser.add_argument("--method", choices=["draft_model", "ngram", "suffix"], default="draft_model")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--off-only", action="store_true", help="only plain, N=0 and one-class-off (half the time)")

@@ -8,9 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .classifier import PromptClassifier
-from .schema import BatchRange, RuntimeSettings
-
-SpeculationMethod = Literal["none", "ngram", "draft_model"]
+from .schema import BatchRange, RuntimeSettings, SpeculationMethod
 
 
 class EngineConfig(BaseModel):
@@ -79,6 +77,10 @@ class EngineConfig(BaseModel):
                 "prompt_lookup_min": self.ngram_prompt_lookup_min,
                 "prompt_lookup_max": self.ngram_prompt_lookup_max,
             }
+        if self.method == "suffix":
+            # N capacity = the longest draft; the suffix trees stay at vLLM's default depth (24),
+            # which only bounds the pattern matched, never the draft (num_speculative_tokens does).
+            return {"method": "suffix", "num_speculative_tokens": self.num_speculative_tokens}
         return {
             "method": "draft_model",
             "model": self.draft_model,

@@ -24,9 +24,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import drafter, requests, stats, vllm_args
-from .classifier import UnknownClassError
+from . import drafter, faults, requests, stats, vllm_args
+from .classifier import PromptClassifier, UnknownClassError
 from .config import EngineConfig
+from .fidelity import Auditor
 from .requests import EngineUnavailableError, GenerationRequest, InvalidRequestError
 from .schema import RuntimeSettings, StepRecord
 from .sinks import RecordSink, fan_out
@@ -70,6 +71,7 @@ class SpecEngine:
         self.server_args = vllm_args.server_args(config, openai_api_key)  # vLLM's Namespace, checked now
         self.active_config = config
         self.sinks = list(sinks)
+        self.auditor = Auditor(self)
         self.degraded_reason: str | None = None
         self.settings = config.initial
         self._llm: Any = None
@@ -138,8 +140,10 @@ class SpecEngine:
             self._llm = await asyncio.to_thread(self._build, config)
             self.active_config = config
             self.degraded_reason = None
-            if config.method in ("draft_model", "ngram"):
+            if config.method != "none":
                 await self._check_free_off_state()
+                if faults.requested():
+                    await self._worker_call("install_test_fault")
         except Exception as exc:
             if config.method == "none" or isinstance(exc, drafter.UnsupportedVllmError):
                 raise
@@ -159,6 +163,7 @@ class SpecEngine:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         drafter.check_supported()
+        drafter.check_method(config.method)
         stats.check_supported()
         _quiet_iteration_logs()
         if current_platform.is_cpu():
@@ -218,13 +223,14 @@ class SpecEngine:
                 f"{self.config.num_speculative_tokens}; raising it needs a rebuild"
             )
         await self._push_settings(settings)
-        self.settings = settings
         return settings
 
     async def _push_settings(self, settings: RuntimeSettings) -> None:
         if self._llm is None:
+            self.settings = settings
             return
         await self._llm.engine_core.call_utility_async("spectune_apply", settings.model_dump(mode="json"))
+        self.settings = settings  # before the listeners: a heartbeat reports the version now held
         for listener in self.settings_listeners:
             listener(settings, self.capacity)
 
@@ -279,6 +285,11 @@ class SpecEngine:
             completion = output.outputs[0]
             yield Delta(completion.text, list(completion.token_ids), completion.finish_reason, len(ids))
 
+    @property
+    def classifier(self) -> PromptClassifier:
+        """The classifier in force: the policy's where it has one, else the start-up one."""
+        return self.settings.classifier or self.config.classifier
+
     def _classify(self, prompt: Any, params: Any, explicit: str | None) -> tuple[str, int, str | None]:
         """(class, prompt tokens, prompt text if known) of a rendered or raw prompt."""
         if isinstance(prompt, str):
@@ -287,7 +298,7 @@ class SpecEngine:
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids") or []
         extra = params.extra_args or {}
         explicit = explicit or extra.get(requests.CLASS_FIELD)
-        classifier = self.config.classifier
+        classifier = self.classifier
         if text is None and classifier.regex_rules and explicit is None:
             text = self._tokenizer.decode(ids)
         try:
@@ -304,12 +315,14 @@ class SpecEngine:
         prompt_class: str | None = None,
         record_id: str | None = None,
         admitted: bool = False,
+        record: bool = True,
         **vllm_kwargs: Any,
     ) -> AsyncIterator[Any]:
         """``AsyncLLM.generate`` with the request tagged by class and N, and one
         RequestRecord (id ``record_id``, default ``request_id``) when a request
         vLLM accepted ends -- finished, failed or aborted.  ``admitted``: the caller
-        already holds ``admitted()`` (an HTTP request), so a rebuild cannot be waiting on it."""
+        already holds ``admitted()`` (an HTTP request), so a rebuild cannot be waiting on it.
+        ``record=False`` (a fidelity replay): no record, and never audited itself."""
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
@@ -322,11 +335,20 @@ class SpecEngine:
         cls, prompt_tokens, text = self._classify(prompt, params, prompt_class)
         settings = self.settings
         n_now = settings.n_for(cls, self._last_batch + 1, self.capacity)
-        probe = n_now == 0 and self.capacity > 0 and random.random() < settings.probe_fraction_for(cls)
-        if probe:  # a switched-off class keeps being measured on a few requests
-            n_now = settings.n_for(cls, self._last_batch + 1, self.capacity, probing=True)
+        probe = False
+        if n_now == 0 and self.capacity > 0 and random.random() < settings.probe_fraction_for(cls):
+            # A switched-off class keeps being measured on a few requests.  Each step's batch table decides
+            # where a probe drafts: the batch it joins at admission is a guess (short requests queued
+            # beside one another mostly run alone), and a guess at a batch the table keeps plain
+            # vetoed every probe: the class stayed off for good.  Its record carries the N it probes at.
+            probe = True
+            n_now = settings.n_for(cls, self._last_batch + 1, self.capacity, probing=True) or settings.n_for(
+                cls, 1, self.capacity, probing=True
+            )
         params = copy.copy(params)  # vLLM clones it again on admission; only extra_args is replaced here
         params.extra_args = {**(params.extra_args or {}), "spectune_class": cls, "spectune_probe": probe}
+        asked = copy.copy(params)  # what a replay must ask for (before the audit's logprobs)
+        audit = self.auditor.choose(cls, params, n_now, settings) if record else None
         state = RequestTelemetry(arrival, prompt_tokens, deltas=params.output_kind == RequestOutputKind.DELTA)
         if self.config.prompt_sample_rate and random.random() < self.config.prompt_sample_rate:
             state.sampled_prompt = text if text is not None else self._tokenizer.decode(prompt["prompt_token_ids"])
@@ -334,9 +356,12 @@ class SpecEngine:
         record_id = record_id or request_id
         recorded = refused = False
 
-        def record() -> None:
+        def write_record() -> None:
             nonlocal recorded
             recorded = True
+            if not record:
+                self._batches.finish(record_id)
+                return
             mean_batch, max_batch = self._batches.finish(record_id)
             fan_out(
                 self.sinks,
@@ -359,8 +384,12 @@ class SpecEngine:
         try:
             async for output in stream:
                 state.observe(output)
+                if audit is not None:
+                    audit.observe(output.outputs[0], state.deltas)
                 if output.finished:  # recorded before the caller can send the last byte (kill -9 safe)
-                    record()
+                    write_record()
+                    if audit is not None and output.outputs[0].finish_reason in ("stop", "length"):
+                        self.auditor.finished(prompt, asked, cls, record_id, audit, n_now)
                 yield output
         except (VLLMClientError, GracefulHTTPError):
             refused = not state.choices  # refused at admission (a 4xx): it never ran, so no record
@@ -378,7 +407,7 @@ class SpecEngine:
             if refused:
                 self._batches.finish(record_id)
             elif not recorded:
-                record()
+                write_record()
 
     def _on_step(self, step: StepRecord) -> None:
         self._last_batch = step.num_decode_requests

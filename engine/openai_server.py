@@ -172,7 +172,7 @@ class OpenAIServer:
             chosen = header_class
         if chosen is not None:
             try:
-                self.engine.config.classifier.known(chosen)
+                self.engine.classifier.known(chosen)
             except UnknownClassError as exc:
                 return RequestContext(), None, _error(VLLMValidationError(str(exc), parameter=CLASS_FIELD))
         single = data.get("prompt") is not None and _prompt_count(data) == 1

@@ -36,8 +36,9 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
-from . import drafter
+from . import drafter, faults
 from .drafter import UnsupportedVllmError
+from .fidelity import PLAIN_ARG
 from .schema import RuntimeSettings
 
 CLASS_ARG = "spectune_class"
@@ -46,11 +47,11 @@ DEFAULT_CLASS = "default"
 TOKEN_PROPOSERS = frozenset({"ngram", "ngram_gpu", "suffix"})
 
 
-def _request_tag(request: Any) -> tuple[str, bool]:
-    """(prompt class, is a probe) from the request's sampling extra_args."""
+def _request_tag(request: Any) -> tuple[str, bool, bool]:
+    """(prompt class, is a probe, runs plain) from the request's sampling extra_args."""
     params = request.sampling_params  # None for pooling requests
     extra = (params.extra_args if params is not None else None) or {}
-    return extra.get(CLASS_ARG, DEFAULT_CLASS), bool(extra.get(PROBE_ARG, False))
+    return extra.get(CLASS_ARG, DEFAULT_CLASS), bool(extra.get(PROBE_ARG, False)), bool(extra.get(PLAIN_ARG, False))
 
 
 def check_supported(scheduler: Scheduler) -> None:
@@ -135,7 +136,9 @@ class SpectuneScheduler(Scheduler):
         request = self.requests.get(req_id)
         if request is None or req_id in self.stale_draft:
             return 0
-        prompt_class, probe = _request_tag(request)
+        prompt_class, probe, plain = _request_tag(request)
+        if plain:
+            return 0
         return self.spectune_settings.n_for(prompt_class, batch, self.num_spec_tokens, probing=probe)
 
     def _step_k(self, scheduled: dict[str, int]) -> int:
@@ -170,6 +173,7 @@ def _spectune_apply(self: EngineCore, settings: dict[str, Any]) -> int:
 WORKER_CALLS = {
     "install_free_off_state": drafter.install_in_worker,
     "count_draft_forwards": drafter.count_draft_forwards,
+    "install_test_fault": faults.install_in_worker,
 }
 
 

@@ -1,10 +1,11 @@
 """The small schema where the engine meets the rest of spectune.
 
-Three shapes cross the boundary, all plain pydantic models with no behaviour
+Four shapes cross the boundary, all plain pydantic models with no behaviour
 beyond validation and one pure lookup:
 
 * ``RequestRecord`` -- what the engine reports for every finished request.
 * ``StepRecord``    -- what the engine reports for every engine step.
+* ``FidelityRecord`` -- an audited request compared with its plain replay.
 * ``RuntimeSettings`` -- what the control plane tells the engine to do
   (speculation on/off, N, batch-size table, per prompt class).
 
@@ -20,7 +21,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .classifier import PromptClassifier
+
 FinishReason = Literal["stop", "length", "abort", "error"]
+# How drafts are made: none (plain serving), a draft model, or a token-level proposer -- prompt
+# lookup (ngram) or suffix trees over the prompt and earlier outputs (suffix, arctic-inference).
+SpeculationMethod = Literal["none", "ngram", "draft_model", "suffix"]
 
 
 class BatchRange(BaseModel):
@@ -69,6 +75,7 @@ class ClassSettings(BaseModel):
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     batch_table: list[BatchRange] | None = None
     probe_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    audit_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _table(self) -> ClassSettings:
@@ -98,6 +105,25 @@ class RuntimeSettings(BaseModel):
         description="Share of requests of a switched-off class that still speculate, so that "
         "acceptance keeps being measured and speculation can come back",
     )
+    audit_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of greedy speculating requests replayed as plain requests and compared (fidelity audit)",
+    )
+    near_tie_nats: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=10.0,
+        description="A divergence where the target's top-2 margin is below this in both runs is a numeric near-tie",
+    )
+    classifier: PromptClassifier | None = Field(
+        default=None, description="Prompt classes and their rules; None: the engine's start-up classifier"
+    )
+    # What the policy wants speculation to run with; None: as the engine started.  Not applied by
+    # ``SpecEngine.apply``: a change is a managed rebuild, rolled through a fleet one engine at a time.
+    method: SpeculationMethod | None = None
+    draft_model: str | None = None
 
     @model_validator(mode="after")
     def _table(self) -> RuntimeSettings:
@@ -109,7 +135,9 @@ class RuntimeSettings(BaseModel):
 
         Class override beats global; a batch table entry covering the batch
         size beats the plain N; the result is clamped to the engine capacity.
-        A probe request ignores on/off and the table: it measures the class's N.
+        A probe request ignores on/off, not the table: it measures the class's acceptance, and a
+        batch size the table keeps plain stays plain (one speculating request makes the drafter run
+        over the whole batch: at 8 concurrent, 5 % probes put one in about a third of the steps).
         """
         override = self.classes.get(prompt_class)
         enabled = self.speculation_enabled
@@ -122,9 +150,7 @@ class RuntimeSettings(BaseModel):
                 n = override.num_speculative_tokens
             if override.batch_table is not None:
                 table = override.batch_table
-        if probing:
-            return max(0, min(n, capacity))
-        if not enabled:
+        if not enabled and not probing:
             return 0
         return max(0, min(n_for_batch(table or [], batch_size, n), capacity))
 
@@ -133,6 +159,12 @@ class RuntimeSettings(BaseModel):
         if override is not None and override.probe_fraction is not None:
             return override.probe_fraction
         return self.probe_fraction
+
+    def audit_fraction_for(self, prompt_class: str) -> float:
+        override = self.classes.get(prompt_class)
+        if override is not None and override.audit_fraction is not None:
+            return override.audit_fraction
+        return self.audit_fraction
 
 
 class RequestRecord(BaseModel):
@@ -152,7 +184,7 @@ class RequestRecord(BaseModel):
     ttft_s: float | None = Field(default=None, description="Arrival to first output token")
     tpot_s: float | None = Field(default=None, description="Mean time per output token after the first")
     e2e_s: float = Field(ge=0)
-    speculation_method: Literal["none", "ngram", "draft_model"]
+    speculation_method: SpeculationMethod
     speculation_enabled: bool = Field(description="N in effect > 0 when the request was admitted")
     num_speculative_tokens: int = Field(ge=0, description="N in effect at admission")
     settings_version: int = 0
@@ -193,3 +225,27 @@ class StepRecord(BaseModel):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = Field(default_factory=list)
+
+
+class FidelityRecord(BaseModel):
+    """A served greedy request against its plain replay (``engine/fidelity.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(description="The audited request's record id")
+    instance_id: str
+    prompt_class: str
+    checked_at: float = Field(description="Unix time the comparison was made")
+    speculation_method: SpeculationMethod
+    num_speculative_tokens: int = Field(ge=0, description="N in effect when the request was admitted")
+    result: Literal["match", "near_tie", "defect"]
+    compared_tokens: int = Field(ge=0)
+    diverged_at: int | None = Field(
+        default=None, ge=0, description="First token that differs (or that was not the served run's argmax)"
+    )
+    served_margin: float | None = Field(default=None, description="Target's top-2 logprob margin there, served")
+    plain_margin: float | None = Field(default=None, description="The same in the plain replay")
+    served_gap: float | None = Field(
+        default=None, ge=0.0, description="Nats the served token's logprob lies below its run's best there (0: argmax)"
+    )
+    reason: str = ""

@@ -1,6 +1,6 @@
 """Where records leave the engine.
 
-A sink receives every ``RequestRecord`` and ``StepRecord`` on the serving
+A sink receives every ``RequestRecord``, ``StepRecord`` and ``FidelityRecord`` on the serving
 path, so ``submit*`` must return quickly and never raise into the engine: a
 sink that needs I/O queues the record and does the work elsewhere.  The
 database recorder implements the same protocol outside ``engine/``.
@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from .schema import RequestRecord, StepRecord
+from .schema import FidelityRecord, RequestRecord, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ class RecordSink(Protocol):
 
     def submit_step(self, step: StepRecord) -> None: ...
 
+    def submit_fidelity(self, check: FidelityRecord) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -36,12 +38,16 @@ class MemorySink:
     def __init__(self, maxlen: int = 100_000) -> None:
         self.records: deque[RequestRecord] = deque(maxlen=maxlen)
         self.steps: deque[StepRecord] = deque(maxlen=maxlen)
+        self.fidelity: deque[FidelityRecord] = deque(maxlen=maxlen)
 
     def submit(self, record: RequestRecord) -> None:
         self.records.append(record)
 
     def submit_step(self, step: StepRecord) -> None:
         self.steps.append(step)
+
+    def submit_fidelity(self, check: FidelityRecord) -> None:
+        self.fidelity.append(check)
 
     def close(self) -> None:
         pass
@@ -71,18 +77,23 @@ class JsonlSink:
     def submit_step(self, step: StepRecord) -> None:
         pass
 
+    def submit_fidelity(self, check: FidelityRecord) -> None:
+        pass  # request records only: fidelity checks live in the database and the metrics
+
     def close(self) -> None:
         with self._lock:
             self._file.close()
 
 
-def fan_out(sinks: list[RecordSink], record: RequestRecord | StepRecord) -> None:
+def fan_out(sinks: list[RecordSink], record: RequestRecord | StepRecord | FidelityRecord) -> None:
     """Deliver to every sink; one failing sink never hurts serving or the others."""
     for sink in sinks:
         try:
             if isinstance(record, RequestRecord):
                 sink.submit(record)
-            else:
+            elif isinstance(record, StepRecord):
                 sink.submit_step(record)
+            else:
+                sink.submit_fidelity(record)
         except Exception:
             log.exception("record sink %r failed", sink)

@@ -68,13 +68,20 @@ def check_supported() -> None:
 
 def step_record(instance_id: str, scheduler_stats: Any, now: float, last: float) -> StepRecord:
     """Build a StepRecord from vLLM's SchedulerStats (pure).  Both parts are optional in vLLM:
-    iteration details only when asked for, spec-decode stats only in steps that speculated."""
+    iteration details only when asked for, spec-decode stats only in steps that speculated.
+
+    The step's time is the wall time since the previous step's statistics (``now - last``) when
+    the step decodes requests that ran before it (the engine was busy all along): vLLM's own step
+    timer leaves out the engine's work between steps, which speculation makes dearer (measured
+    here at batch 8: 17 ms per step plain, 51 ms at N = 3), and clients wait for it.  Summed over
+    steps these intervals are the busy wall time exactly, however the outputs bunch up on their
+    way.  Otherwise (a prompt-only step after idling) vLLM's timer."""
     details = scheduler_stats.iteration_details
     spec = scheduler_stats.spec_decoding_stats
     if details is not None:
         prefill, decode = details.num_ctx_requests, details.num_generation_requests
         tokens = details.num_ctx_tokens + details.num_generation_tokens
-        step_time = details.elapsed_ms / 1000.0
+        step_time = max(0.0, now - last) if decode else details.elapsed_ms / 1000.0
     else:
         prefill, decode = 0, scheduler_stats.num_running_reqs
         tokens, step_time = decode, max(0.0, now - last)

@@ -24,6 +24,17 @@ in a step with no draft tokens at all; on the PyTorch path
 dies (``EngineDeadError``: every request fails and the server is gone).
 ``apply_top_k_top_p`` over zero rows returns them unchanged here.
 ``tests/test_sampling_fields.py`` fails without this fix.
+
+torch 2.13's inductor on CPU (vLLM compiles a few sampler ops with it, e.g.
+``batched_count_greater_than`` for logprobs): whether a vector ISA is usable
+is decided per process by compiling a probe and ``dlopen``-ing it in a child
+Python with a 60 s timeout.  On a loaded host (three engines on 2 cores) that
+probe failed in one worker while another had already put vectorised AVX2 code
+for the same graph into the shared FX-graph cache; the worker built that code
+without ``-DCPU_CAPABILITY_AVX2`` (``'at::vec' has not been declared``) and
+the engine died.  The ISAs come from ``/proc/cpuinfo`` either way; here the
+probe is skipped (``config.cpp.vec_isa_ok = True``) unless
+``TORCHINDUCTOR_VEC_ISA_OK`` says otherwise, so every process decides alike.
 """
 
 from __future__ import annotations
@@ -70,6 +81,18 @@ def _guard_sampling_constraints() -> None:
         rejection_sampler.apply_top_k_top_p = _skip_empty(current)
 
 
+VEC_ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
+
+
+def _decide_vec_isa_alike() -> None:
+    import os
+
+    from torch._inductor import config
+
+    if os.environ.get(VEC_ISA_ENV) is None:  # an explicit setting wins
+        config.cpp.vec_isa_ok = True
+
+
 def register() -> None:
     from vllm.platforms import current_platform
 
@@ -79,6 +102,7 @@ def register() -> None:
     _guard_sampling_constraints()  # every platform: harmless where the kernel copes with zero rows
     if not current_platform.is_cpu():
         return
+    _decide_vec_isa_alike()
     from vllm.triton_utils import dispatcher
     from vllm.utils import cpu_triton_utils
 
@@ -88,5 +112,6 @@ def register() -> None:
     # The platform registers cpu_triton_utils._expand_kernel_impl after plugins
     # load; replacing the attribute makes it register the fixed one.
     cpu_triton_utils._expand_kernel_impl = expand_kernel
-    if EXPAND_KERNEL in dispatcher._registry:  # plugin loaded after the platform
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is not None and registered[1] is not expand_kernel:  # plugin loaded after the platform
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel})

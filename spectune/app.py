@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -16,16 +17,18 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from spectune.api import alerts, overview, policies, records
+from spectune.api import alerts, fidelity, fleet, overview, policies, records
 from spectune.api.auth import TokenSpec
 from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
 from spectune.engine.classifier import PromptClassifier
-from spectune.engine.core import SpecEngine
-from spectune.engine.openai_server import OpenAIServer
 from spectune.guard import RequestGuard
 from spectune.store.policies import PolicyRepository, Versioned
 from spectune.tuner.diagnosis_job import DiagnosisRunner
 from spectune.tuner.policy import PolicyDocument
+
+if TYPE_CHECKING:  # the engine's modules import vLLM: a control plane alone (--no-engine) runs without it
+    from spectune.engine.core import SpecEngine
+    from spectune.engine.openai_server import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +40,15 @@ def create_app(
     follower: PolicyFollower | None = None,
     diagnosis: DiagnosisRunner | None = None,
     max_body_bytes: int = 4 << 20,
+    classifier: PromptClassifier | None = None,
 ) -> FastAPI:
-    """``follower``: this engine obeys a remote control plane instead of its own store."""
-    openai = OpenAIServer(engine) if engine is not None else None
+    """``follower``: this engine obeys a remote control plane instead of its own store.
+    ``classifier``: a control plane's start-up classes (an engine has its own)."""
+    openai = None
+    if engine is not None:
+        from spectune.engine.openai_server import OpenAIServer
+
+        openai = OpenAIServer(engine)
     control = EmbeddedControl(engine) if engine is not None and follower is None else None
     repo = PolicyRepository(db)
 
@@ -65,6 +74,8 @@ def create_app(
         finally:
             if follower is not None:
                 await follower.stop()
+            if diagnosis is not None:
+                diagnosis.shutdown()  # queued diagnoses are dropped; the worker exits with this process
             if engine is not None:
                 await engine.shutdown()
 
@@ -86,13 +97,15 @@ def create_app(
     app.state.diagnosis = diagnosis
     app.state.policies = repo
     app.state.api_tokens = api_tokens
-    app.state.known_classes = set((engine.config.classifier if engine else PromptClassifier()).classes)
+    app.state.startup_classes = set((engine.config.classifier if engine else classifier or PromptClassifier()).classes)
     app.state.on_policy_change = on_policy_change
     app.state.check_policy = check_policy
     app.include_router(policies.router)
     app.include_router(records.router)
     app.include_router(alerts.router)
     app.include_router(overview.router)
+    app.include_router(fleet.router)
+    app.include_router(fidelity.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -117,6 +130,7 @@ def create_app(
             "ready": engine.running and openai is not None and openai.app is not None,
             "model": engine.model_name,
             "speculation": engine.active_config.method,
+            "draft_model": engine.active_config.draft_model,
             "capacity": engine.capacity,
             "settings_version": engine.settings.version,
             "degraded_reason": engine.degraded_reason,

@@ -44,6 +44,7 @@ def _engine_config(s: Settings, vllm_argv: list[str] | None = None):
         max_num_seqs=s.max_num_seqs,
         kv_cache_space_gib=s.kv_cache_space_gib,
         instance_id=s.instance_id or socket.gethostname(),
+        **({"classifier": s.classifier} if s.classifier is not None else {}),
         prompt_sample_rate=s.prompt_sample_rate,
         vllm_args=list(vllm_argv or []),
         initial=RuntimeSettings(
@@ -53,12 +54,26 @@ def _engine_config(s: Settings, vllm_argv: list[str] | None = None):
     )
 
 
+def _log_to_stderr() -> None:
+    """spectune's records go to stderr through a handler of its own logger, not the root's: a vLLM
+    dependency (``model_hosting_container_standards``, imported with vLLM's server) sets the root
+    logger and its handlers to ERROR, which silenced every spectune warning once vLLM was up."""
+    logging.basicConfig(level=logging.INFO)  # the libraries' records until vLLM's import
+    own = logging.getLogger("spectune")
+    if not own.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+        own.addHandler(handler)
+    own.setLevel(logging.INFO)
+    own.propagate = False
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Target model (HF dir). Default: the prepared demo pair.")] = None,
     draft_model: Annotated[str | None, typer.Option(help="Draft model (HF dir, same tokenizer).")] = None,
-    method: Annotated[str | None, typer.Option(help="none | ngram | draft_model")] = None,
+    method: Annotated[str | None, typer.Option(help="none | ngram | draft_model | suffix (arctic-inference)")] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option("-n", "--num-speculative-tokens", help="N in force at start (0 = off).")
     ] = None,
@@ -74,6 +89,10 @@ def serve(
     no_engine: Annotated[bool, typer.Option("--no-engine", help="Control plane only, for remote engines.")] = False,
     control_plane: Annotated[
         str | None, typer.Option(help="Follow this control plane's policy (remote engine).")
+    ] = None,
+    classifier: Annotated[
+        Path | None,
+        typer.Option(help="Start-up prompt classes and rules, a JSON or YAML file (regex_rules, length_rules, ...)."),
     ] = None,
 ) -> None:
     """Serve vLLM's OpenAI-compatible API (/v1) on the embedded engine, with the control plane (/api/v1).
@@ -102,6 +121,7 @@ def serve(
             db=db,
             no_engine=no_engine or None,
             control_plane_url=control_plane,
+            classifier=_read_classifier(classifier) if classifier is not None else None,
         ).items()
         if v is not None
     }
@@ -111,7 +131,7 @@ def serve(
     config = None if settings.no_engine else _engine_config(settings, ctx.args)
     if config is not None:
         _check_vllm_args(config)
-    logging.basicConfig(level=logging.INFO)
+    _log_to_stderr()
     stack = build_stack(settings, config)
     what = (
         "control plane only"
@@ -128,6 +148,19 @@ def serve(
         uvicorn.run(stack.app, host=settings.host, port=settings.port, log_level="info")
     finally:
         stack.close()
+
+
+def _read_classifier(path: Path):
+    """A PromptClassifier from a JSON or YAML file; a clear error names what is wrong."""
+    import yaml
+    from pydantic import ValidationError
+
+    from spectune.engine.classifier import PromptClassifier
+
+    try:
+        return PromptClassifier.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise typer.BadParameter(f"{path}: {exc}", param_hint="--classifier") from exc
 
 
 def _check_vllm_args(config) -> None:

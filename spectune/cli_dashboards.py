@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -84,4 +83,7 @@ def dashboard(
         "--client.toolbarMode",
         "viewer",
     ]
-    raise typer.Exit(subprocess.call(args, env=env))
+    # Streamlit replaces this process: a SIGTERM (systemd, docker stop, a test) reaches the server
+    # itself, which shuts down, instead of killing a parent and orphaning a listening child.
+    sys.stdout.flush()
+    os.execve(sys.executable, args, env)

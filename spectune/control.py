@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from spectune.engine.core import SpecEngine
 from spectune.engine.schema import RuntimeSettings
 from spectune.store.policies import Versioned
 from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings
+
+if TYPE_CHECKING:
+    from spectune.engine.config import EngineConfig
+    from spectune.engine.core import SpecEngine
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +47,13 @@ class EmbeddedControl:
 
     @property
     def classes(self) -> set[str]:
+        """The engine's start-up classes (a policy's classifier replaces them while it is in force)."""
         return set(self.engine.config.classifier.classes)
 
     def check(self, doc: PolicyDocument) -> None:
         """Refuse what this engine cannot do without a restart."""
         capacity = self.engine.config.num_speculative_tokens
-        for prompt_class in [None, *sorted(self.classes)]:
+        for prompt_class in [None, *sorted(doc.known_classes(self.classes))]:
             p = effective_policy(doc, self.engine.config.instance_id, prompt_class)
             largest = max([p.num_speculative_tokens] + [r.num_speculative_tokens for r in p.batch_table])
             if largest > capacity:
@@ -60,20 +65,22 @@ class EmbeddedControl:
     async def apply(self, current: Versioned) -> RuntimeSettings:
         doc = PolicyDocument.model_validate(current.body)
         settings = runtime_settings(doc, self.engine.config.instance_id, self.classes, current.version)
-        wanted = effective_policy(doc, self.engine.config.instance_id, None)
-        cfg = self.engine.config
-        method = wanted.method or cfg.method
-        draft = wanted.draft_model or cfg.draft_model
-        if (method, draft if method == "draft_model" else None) != (
-            cfg.method,
-            cfg.draft_model if cfg.method == "draft_model" else None,
-        ):
+        new = rebuilt_config(self.engine.config, settings)
+        if new is not None:
             # vLLM fixes the drafter at start-up: a method/drafter change is a managed rebuild.
-            new = cfg.model_copy(update={"method": method, "draft_model": draft if method == "draft_model" else None})
             self.engine.spawn(self.engine.rebuild(new, settings))
             return settings
         await self.engine.apply(settings)
         return settings
+
+
+def rebuilt_config(cfg: EngineConfig, settings: RuntimeSettings) -> EngineConfig | None:
+    """The engine config that ``settings`` asks for when its method or drafter differ, else None."""
+    method = settings.method or cfg.method
+    draft = (settings.draft_model or cfg.draft_model) if method == "draft_model" else None
+    if (method, draft) == (cfg.method, cfg.draft_model if cfg.method == "draft_model" else None):
+        return None
+    return cfg.model_copy(update={"method": method, "draft_model": draft})
 
 
 class PolicyFollower:
@@ -102,8 +109,28 @@ class PolicyFollower:
         if response.status_code == 304:
             return False
         response.raise_for_status()
-        await self.engine.apply(RuntimeSettings.model_validate(response.json()))
+        settings = RuntimeSettings.model_validate(response.json())
+        new = rebuilt_config(self.engine.config, settings)
+        if new is not None and not await self._rebuild(new, settings):
+            return False  # another instance is rebuilding: ask again next poll (no ETag kept)
+        if new is None:
+            await self.engine.apply(settings)
         self.etag = response.headers.get("ETag")
+        return True
+
+    async def _rebuild(self, new: EngineConfig, settings: RuntimeSettings) -> bool:
+        """A rolling rebuild: take the fleet's slot, rebuild (requests wait, none fail), give it back."""
+        slot = f"/api/v1/engines/{self.engine.config.instance_id}/rebuild-slot"
+        taken = await self.client.post(slot)
+        if taken.status_code == 409:
+            log.info("method/drafter change waits: %s", taken.json().get("detail"))
+            return False
+        taken.raise_for_status()
+        try:
+            paused = await self.engine.rebuild(new, settings)
+            log.info("rebuilt for %s (%s) in %.1f s", new.method, new.draft_model, paused)
+        finally:
+            await self.client.delete(slot)
         return True
 
     async def run(self) -> None:

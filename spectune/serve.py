@@ -2,7 +2,7 @@
 
     engine --records--> recorder --> DB            (store)
            --records--> request metrics --> /metrics
-    DB <-- retention job (APScheduler)
+    DB <-- retention and latency-histogram jobs (APScheduler)
     API --policy--> EmbeddedControl --settings--> engine   (or PolicyFollower for a remote one)
 
 ``Stack`` builds them from ``Settings`` and tears them down in order.
@@ -15,6 +15,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
@@ -24,18 +25,20 @@ from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.control import PolicyFollower
 from spectune.engine import EngineConfig
-from spectune.engine.classifier import PromptClassifier
-from spectune.engine.core import SpecEngine
 from spectune.engine.sinks import JsonlSink, RecordSink
 from spectune.settings import Settings
 from spectune.store.db import make_engine, upgrade
-from spectune.store.instances import heartbeat
-from spectune.store.metrics import RecorderCollector, RequestMetrics, TunerMetrics
-from spectune.store.policies import Versioned
+from spectune.store.histograms import refresh_closed_hours
+from spectune.store.instances import fleet, heartbeat
+from spectune.store.metrics import FleetCollector, RecorderCollector, RequestMetrics, TunerMetrics
+from spectune.store.policies import PolicyRepository, Versioned
 from spectune.store.recorder import Recorder
-from spectune.store.retention import expire_prompts, roll_up
-from spectune.tuner.diagnosis_job import DiagnosisRunner
+from spectune.store.retention import expire_prompts, run_retention
+from spectune.tuner.diagnosis_job import GIB, DiagnosisRunner
 from spectune.tuner.job import Tuner
+
+if TYPE_CHECKING:
+    from spectune.engine.core import SpecEngine
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,8 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
     collectors = []
     engine = follower = None
     if config is not None:
+        from spectune.engine.core import SpecEngine  # imports vLLM: only where an engine runs
+
         recorder = Recorder(db, settings.spool_dir, prompt_retention=timedelta(days=settings.prompt_retention_days))
         metrics = request_metrics()
         sinks: list[RecordSink] = [recorder, metrics]
@@ -104,17 +109,19 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
         engine = SpecEngine(config, sinks, openai_api_key=key)
         classes = sorted(config.classifier.classes)
-        engine.settings_listeners.append(lambda s, cap: metrics.settings_applied(s, classes, cap))
+        engine.settings_listeners.append(
+            lambda s, cap: metrics.settings_applied(s, sorted(s.classifier.classes) if s.classifier else classes, cap)
+        )
         collectors.append(RecorderCollector(lambda: recorder.stats, recorder.spool.pending_bytes))
         REGISTRY.register(collectors[-1])
         if settings.control_plane_url:
             token = settings.control_plane_token.get_secret_value() if settings.control_plane_token else ""
             follower = PolicyFollower(engine, settings.control_plane_url, token)
     scheduler.add_job(
-        roll_up,
+        run_retention,
         "interval",
         seconds=settings.retention_interval_s,
-        args=[maintenance, timedelta(days=settings.retention_days)],
+        args=[maintenance, timedelta(days=settings.retention_days), timedelta(days=settings.sums_retention_days)],
         id="retention",
         max_instances=1,
         coalesce=True,
@@ -126,10 +133,23 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
             if engine.started:
                 cfg = engine.active_config
                 name, method = engine.model_name, cfg.method
-                heartbeat(db, cfg.instance_id, name, method, engine.capacity, started_at, engine.degraded_reason)
+                heartbeat(db, cfg.instance_id, name, method, engine.capacity, started_at, engine.degraded_reason,
+                          engine.settings.version, cfg.draft_model)  # fmt: skip
 
         scheduler.add_job(beat, "interval", seconds=15, id="heartbeat", max_instances=1, coalesce=True)
-        engine.settings_listeners.append(lambda s, cap: beat())  # also at start and on every change
+        # Also at start and on every change, in the scheduler's threads: a listener runs in the event
+        # loop, and a database write there would stall /v1 for as long as the database takes.
+        engine.settings_listeners.append(
+            lambda s, cap: scheduler.add_job(beat, id="heartbeat-now", replace_existing=True)
+        )
+    scheduler.add_job(
+        lambda: refresh_closed_hours(maintenance, timedelta(days=settings.retention_days), datetime.now(UTC)),
+        "interval",
+        seconds=settings.retention_interval_s,
+        id="latency-histograms",
+        max_instances=1,
+        coalesce=True,
+    )
     scheduler.add_job(
         expire_prompts,
         "interval",
@@ -140,11 +160,28 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         coalesce=True,
     )
     scheduler.start()
-    diagnosis = None
+    models = None  # the (target, draft) pair to diagnose, read at each submission
     if engine is not None and config.method == "draft_model" and config.draft_model:
-        diagnosis = DiagnosisRunner(db, lambda: (engine.config.model, engine.config.draft_model or ""))
-    app = create_app(engine, db, api_tokens(settings), follower, diagnosis, max_body_bytes=settings.max_body_bytes)
+        models = lambda: (engine.config.model, engine.config.draft_model or "")  # noqa: E731
+    elif engine is None and settings.model and settings.draft_model:  # a control plane with the pair at hand
+        models = lambda: (settings.model, settings.draft_model)  # noqa: E731
+    diagnosis = (
+        DiagnosisRunner(db, models, settings.diagnosis_cpu_share, settings.diagnosis_memory_headroom_gib * GIB)
+        if models
+        else None
+    )
+    app = create_app(
+        engine, db, api_tokens(settings), follower, diagnosis, settings.max_body_bytes, settings.classifier
+    )
     if follower is None:  # a follower's policy belongs to its control plane's tuner
+        policies = PolicyRepository(db)
+
+        def instances() -> list[dict]:
+            current = policies.current()
+            return fleet(db, current.version if current else None, current.at if current else None)
+
+        collectors.append(FleetCollector(instances))
+        REGISTRY.register(collectors[-1])
 
         def on_change(written: Versioned) -> None:  # in the scheduler's thread
             loop = getattr(app.state, "loop", None)
@@ -152,10 +189,9 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
                 return
             asyncio.run_coroutine_threadsafe(app.state.on_policy_change(written), loop).result(timeout=120)
 
-        classes = (config.classifier if config else PromptClassifier()).classes
         tuner = Tuner(
             db,
-            set(classes),
+            app.state.startup_classes,  # the policy's classifier replaces them where it has one
             on_change,
             request_diagnosis=(lambda cls: diagnosis.submit("tuner", cls)) if diagnosis else None,
             window=timedelta(seconds=settings.tuner_window_s),

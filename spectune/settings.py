@@ -9,6 +9,8 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spectune.api.auth import TokenSpec
+from spectune.engine.classifier import PromptClassifier
+from spectune.engine.schema import SpeculationMethod
 
 
 class Settings(BaseSettings):
@@ -18,7 +20,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=1, le=65535)
     model: str | None = Field(default=None, description="Target HF directory; default: demo pair")
     draft_model: str | None = None
-    method: Literal["none", "ngram", "draft_model"] = "draft_model"
+    method: SpeculationMethod = "draft_model"
     num_speculative_tokens: int = Field(default=3, ge=0, le=16, description="N in force at start")
     max_speculative_tokens: int = Field(default=6, ge=1, le=16, description="N capacity")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
@@ -31,7 +33,10 @@ class Settings(BaseSettings):
     )
     spool_dir: Path = Path("var/spool")
     records_path: Path | None = Field(default=None, description="Also append records as JSON lines here")
-    retention_days: float = Field(default=7.0, gt=0)
+    retention_days: float = Field(default=7.0, gt=0, description="Request records older than this are deleted")
+    sums_retention_days: float = Field(
+        default=400.0, gt=0, description="Sums of records per minute/hour/day (every count) older than this are deleted"
+    )
     tuner_interval_s: float = Field(default=60.0, gt=0, description="How often the tuner decides")
     tuner_window_s: float = Field(default=300.0, gt=0, description="How far back the tuner looks for acceptance")
     tuner_cost_window_s: float = Field(
@@ -41,6 +46,12 @@ class Settings(BaseSettings):
         default=0.0, ge=0.0, le=1.0, description="Opt-in: fraction of prompts kept for diagnostics"
     )
     prompt_retention_days: float = Field(default=3.0, gt=0)
+    diagnosis_cpu_share: float = Field(
+        default=0.25, gt=0, le=1, description="Busy share of a core a draft diagnosis may take (it idles the rest)"
+    )
+    diagnosis_memory_headroom_gib: float = Field(
+        default=1.0, ge=0, description="Memory a diagnosis must leave the host beyond its two fp32 models, else refused"
+    )
     retention_interval_s: int = Field(default=600, ge=10)
     db_timeout_s: float = Field(
         default=5.0, gt=0, description="Longest wait for the database per connect or statement (then 503 / retry)"
@@ -58,3 +69,7 @@ class Settings(BaseSettings):
         default=None, description="Follow this control plane's policy instead of the local one"
     )
     control_plane_token: SecretStr | None = None
+    classifier: PromptClassifier | None = Field(
+        default=None,
+        description="Start-up prompt classes and rules (JSON); a policy's `classifier` replaces them fleet-wide",
+    )

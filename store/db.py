@@ -12,13 +12,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, insert
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 
 from spectune.engine.schema import RequestRecord
 
 from .deadline import StatementDeadline
-from .models import Base, RequestRecordRow
+from .models import Base, StepStat
 
 ALEMBIC_DIR = Path(__file__).resolve().parent.parent / "alembic"
 DEFAULT_URL = "sqlite:///var/spectune.db"
@@ -88,18 +88,20 @@ def record_row(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def conflict_insert(db: Engine | Connection, table: Any) -> Any:
+    """An INSERT that takes ON CONFLICT clauses, in the dialect of ``db`` (the two supported stores)."""
+    dialects = {"postgresql": postgresql, "sqlite": sqlite}
+    if db.dialect.name not in dialects:  # pragma: no cover - make_engine builds only these
+        raise ValueError(f"unsupported database {db.dialect.name!r}: PostgreSQL or SQLite")
+    return dialects[db.dialect.name].insert(table)
+
+
 def insert_ignoring_duplicates(db: Engine | Connection, table: Any, rows: Sequence[dict[str, Any]]) -> None:
     """Bulk INSERT that skips rows whose primary key exists (replays are safe); on a connection,
     inside the caller's transaction."""
     if not rows:
         return
-    dialect = db.dialect.name
-    if dialect == "postgresql":
-        stmt = postgresql.insert(table).on_conflict_do_nothing()
-    elif dialect == "sqlite":
-        stmt = sqlite.insert(table).on_conflict_do_nothing()
-    else:  # pragma: no cover - only the two supported stores
-        stmt = insert(table).prefix_with("IGNORE")
+    stmt = conflict_insert(db, table).on_conflict_do_nothing()
     if isinstance(db, Connection):
         db.execute(stmt, list(rows))
         return
@@ -107,8 +109,50 @@ def insert_ignoring_duplicates(db: Engine | Connection, table: Any, rows: Sequen
         conn.execute(stmt, list(rows))
 
 
-def insert_records(engine: Engine, records: Iterable[RequestRecord]) -> None:
-    insert_ignoring_duplicates(engine, RequestRecordRow.__table__, [record_row(r.model_dump()) for r in records])
+def _step_count(row: dict[str, Any]) -> int:
+    return row["steps"] + row.get("prefill_steps", 0)
 
 
-__all__ = ["Base", "downgrade", "insert_ignoring_duplicates", "insert_records", "make_engine", "upgrade"]
+def upsert_step_stats(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert step-statistics rows; a row for a key that exists replaces it when it counts at least as
+    many steps, prefill steps included (a newer snapshot of the same writer's open minute), so a
+    replayed older snapshot is a no-op and totals never go backwards."""
+    if not rows:
+        return
+    keys = [c.name for c in StepStat.__table__.primary_key.columns]
+    newest: dict[tuple, dict[str, Any]] = {}
+    for row in rows:  # one statement may not touch a row twice (PostgreSQL refuses): keep the newest
+        key = tuple(row[k] for k in keys)
+        if key not in newest or _step_count(row) >= _step_count(newest[key]):
+            newest[key] = row
+    rows = list(newest.values())
+    stmt, table = conflict_insert(conn, StepStat), StepStat.__table__
+    values = {c.name: stmt.excluded[c.name] for c in StepStat.__table__.columns if c.name not in keys}
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=keys,
+            set_=values,
+            where=stmt.excluded.steps + stmt.excluded.prefill_steps >= table.c.steps + table.c.prefill_steps,
+        ),
+        rows,
+    )
+
+
+def insert_records(engine: Engine, records: Iterable[RequestRecord]) -> int:
+    """Store engine records (and their sums) in one transaction; returns how many were new."""
+    from .sums import insert_new_records  # it builds on conflict_insert above
+
+    with engine.begin() as conn:
+        return insert_new_records(conn, [record_row(r.model_dump()) for r in records])
+
+
+__all__ = [
+    "Base",
+    "conflict_insert",
+    "downgrade",
+    "insert_ignoring_duplicates",
+    "insert_records",
+    "make_engine",
+    "upgrade",
+    "upsert_step_stats",
+]

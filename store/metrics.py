@@ -12,6 +12,8 @@ PromQL:
       / rate(spectune_draft_tokens_per_position_total{position="k"}[5m])
     p95 time to first token
         histogram_quantile(0.95, sum by (le, class) (rate(spectune_time_to_first_token_seconds_bucket[5m])))
+    fidelity defects (audited requests whose output speculation changed beyond a numeric near-tie)
+        sum by (class) (increase(spectune_fidelity_checks_total{result="defect"}[1h]))
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from spectune.engine.schema import RequestRecord, RuntimeSettings, StepRecord
+from spectune.engine.schema import FidelityRecord, RequestRecord, RuntimeSettings, StepRecord
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -107,6 +109,12 @@ class RequestMetrics:
         self.enabled = Gauge(
             "spectune_speculation_enabled", "1 when speculation is on for the class", ["class"], registry=registry
         )
+        self.fidelity_checks = Counter(
+            "spectune_fidelity_checks",
+            "Audited requests compared with their plain replay, by result (match, near_tie, defect)",
+            ["class", "result"],
+            registry=registry,
+        )
         self._by_class: dict[str, _ClassSeries] = {}
 
     def _children(self, cls: str) -> _ClassSeries:
@@ -158,11 +166,16 @@ class RequestMetrics:
     def submit_step(self, step: StepRecord) -> None:
         pass
 
+    def submit_fidelity(self, check: FidelityRecord) -> None:
+        self.fidelity_checks.labels(check.prompt_class, check.result).inc()
+
     def close(self) -> None:
         pass
 
     def settings_applied(self, settings: RuntimeSettings, classes: Iterable[str], capacity: int) -> None:
         for cls in classes:
+            for result in ("match", "near_tie", "defect"):  # exported from 0: the first defect is an increase
+                self.fidelity_checks.labels(cls, result)
             n = settings.n_for(cls, 1, capacity)
             self.n_in_force.labels(cls).set(n)
             self.enabled.labels(cls).set(1 if n > 0 else 0)
@@ -233,3 +246,33 @@ class TunerMetrics:
                 self.predicted.labels(cls).set(in_force)
             if d["applied"]:
                 self.last_change.labels(cls).set(d["at"].timestamp())
+
+
+class FleetCollector:
+    """The control plane's view of its engines, read from the instances table at scrape time.
+
+    PromQL:
+        engines still on an older settings version than the policy (alert after 2m)
+            spectune_instances_behind > 0
+        engines that stopped sending heartbeats
+            spectune_instances - spectune_instances_live
+    """
+
+    def __init__(self, fleet: Callable[[], list[dict]]) -> None:
+        self._fleet = fleet
+
+    def collect(self):
+        try:
+            rows = self._fleet()
+        except Exception:  # the database is away: no fleet series this scrape (spectune_database_up says why)
+            return
+        for name, doc, value in (
+            ("spectune_instances", "Engine instances known to this control plane", len(rows)),
+            ("spectune_instances_live", "Instances with a heartbeat in the last 60 s", sum(r["live"] for r in rows)),
+            (
+                "spectune_instances_behind",
+                "Live instances on an older settings version than the policy, 30 s after it changed",
+                sum(r["behind"] for r in rows),
+            ),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)

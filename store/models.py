@@ -1,9 +1,10 @@
 """Database schema (SQLAlchemy 2 typed ORM).
 
-Time is stored as timezone-aware UTC ``DateTime``.  Per-position counts are
-JSON lists (JSONB on PostgreSQL).  Indexes follow the queries the tuner and
-dashboards make: recent records per (instance, class), step statistics per
-(instance, minute), decisions and alerts by time.
+Time is stored as timezone-aware UTC ``DateTime``.  A record's per-position counts
+are JSON lists (JSONB on PostgreSQL); the sums per minute, hour and day keep them one row per position.
+Indexes follow the queries the tuner and dashboards make: recent records per
+(instance, class), step statistics per (instance, minute), decisions and alerts by time;
+the sums' keys lead with (width, start) (range reads).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    PrimaryKeyConstraint,
     String,
     Text,
     TypeDecorator,
@@ -62,6 +64,8 @@ class EngineInstance(Base):
     started_at: Mapped[datetime] = mapped_column(UtcDateTime())
     last_seen_at: Mapped[datetime] = mapped_column(UtcDateTime())
     degraded_reason: Mapped[str | None] = mapped_column(Text)
+    draft_model: Mapped[str | None] = mapped_column(String(256))
+    settings_version: Mapped[int | None] = mapped_column(Integer)  # the policy version the engine holds
 
 
 class RequestRecordRow(Base):
@@ -100,25 +104,71 @@ class RequestRecordRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
 
 
-class RequestRollup(Base):
-    """Per-minute aggregate of request records older than the retention age."""
+class _PeriodKey:
+    """The key of the sums: a period (``width_s`` long, from ``start``) x instance x class x N."""
 
-    __tablename__ = "request_rollups"
-
+    width_s: Mapped[int] = mapped_column(Integer, primary_key=True)
+    start: Mapped[datetime] = mapped_column(UtcDateTime(), primary_key=True)
     instance_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     prompt_class: Mapped[str] = mapped_column(String(32), primary_key=True)
     num_speculative_tokens: Mapped[int] = mapped_column(Integer, primary_key=True)
-    minute: Mapped[datetime] = mapped_column(UtcDateTime(), primary_key=True)
-    requests: Mapped[int] = mapped_column(Integer)
-    errors: Mapped[int] = mapped_column(Integer)
+
+
+class RequestSum(_PeriodKey, Base):
+    """Request records summed per period (``width_s`` long, from ``start``: a minute, an hour, a
+    day) x instance x class x N, written in the transaction that inserts the records
+    (``store.sums``): always equal to the records the period covers, kept after retention deletes
+    them, read for every whole period of a range."""
+
+    __tablename__ = "request_sums"
+
+    requests: Mapped[int] = mapped_column(BigInteger)
+    drafting_requests: Mapped[int] = mapped_column(BigInteger)  # requests that drafted at least one token
+    errors: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     num_spec_steps: Mapped[int] = mapped_column(BigInteger)
     num_draft_tokens: Mapped[int] = mapped_column(BigInteger)
     num_accepted_tokens: Mapped[int] = mapped_column(BigInteger)
-    drafted_per_position: Mapped[list[int]] = mapped_column(Json)
-    accepted_per_position: Mapped[list[int]] = mapped_column(Json)
     ttft_s_sum: Mapped[float] = mapped_column(Float)
     e2e_s_sum: Mapped[float] = mapped_column(Float)
+
+
+class RequestSumPosition(_PeriodKey, Base):
+    """Drafted and accepted tokens per draft position (0-based) of a ``RequestSum``, over the
+    requests that drafted: one row per position, so the database sums them with a plain GROUP BY."""
+
+    __tablename__ = "request_sum_positions"
+    # the key's order as the migration made it: (width, start, ...) leads, for range reads
+    __table_args__ = (
+        PrimaryKeyConstraint("width_s", "start", "instance_id", "prompt_class", "num_speculative_tokens", "position"),
+    )
+
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    drafted: Mapped[int] = mapped_column(BigInteger)
+    accepted: Mapped[int] = mapped_column(BigInteger)
+
+
+class LatencyHistogram(Base):
+    """Log-bucket counts of one latency metric over a closed hour's records of a class, fleet-wide
+    (``store.histograms``); ``requests`` is how many records the hour held when it was computed."""
+
+    __tablename__ = "latency_histograms"
+
+    start: Mapped[datetime] = mapped_column(UtcDateTime(), primary_key=True)
+    prompt_class: Mapped[str] = mapped_column(String(32), primary_key=True)
+    metric: Mapped[str] = mapped_column(String(16), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    counts: Mapped[dict[str, int]] = mapped_column(Json)  # {bucket: values in it}
+
+
+class RetentionHorizon(Base):
+    """Rows of ``table`` finished before ``deleted_before`` may have been deleted by retention: a
+    read that needs raw rows from before it says what it left out."""
+
+    __tablename__ = "retention_horizons"
+
+    table_name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    deleted_before: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
 class StepStat(Base):
@@ -142,6 +192,10 @@ class StepStat(Base):
     num_draft_tokens: Mapped[int] = mapped_column(BigInteger)
     num_accepted_tokens: Mapped[int] = mapped_column(BigInteger)
     accepted_per_position: Mapped[list[int]] = mapped_column(Json)
+    # Steps that also prefilled (not in the step times above): count, time, tokens they generated.
+    prefill_steps: Mapped[int] = mapped_column(Integer, server_default="0")
+    prefill_time_sum_s: Mapped[float] = mapped_column(Float, server_default="0")
+    prefill_generated_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class Policy(Base):
@@ -196,6 +250,29 @@ class TunerDecision(Base):
     realised_speedup: Mapped[float | None] = mapped_column(Float)
     inputs: Mapped[dict[str, Any]] = mapped_column(Json)
     applied: Mapped[bool] = mapped_column(Boolean)
+    leader_epoch: Mapped[int | None] = mapped_column(BigInteger)  # the lease epoch of the tuner that decided
+
+
+class RebuildSlot(Base):
+    """At most one engine of the fleet rebuilds at a time (``store/rebuilds.py``)."""
+
+    __tablename__ = "rebuild_slots"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    acquired_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class TunerLease(Base):
+    """The tuner leader's lease: the epoch grows with every new leader (``store/leader.py``)."""
+
+    __tablename__ = "tuner_leases"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(String(128))
+    acquired_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
 class DiagnosticsReport(Base):
@@ -258,3 +335,24 @@ class DeadLetter(Base):
     request_id: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str] = mapped_column(Text)
     payload: Mapped[str] = mapped_column(Text)
+
+
+class FidelityCheck(Base):
+    """A served greedy request compared with its plain replay (``engine/fidelity.py``)."""
+
+    __tablename__ = "fidelity_checks"
+    __table_args__ = (Index("ix_fidelity_checks_class_checked", "prompt_class", "checked_at"),)
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(128))
+    prompt_class: Mapped[str] = mapped_column(String(32))
+    checked_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    speculation_method: Mapped[str] = mapped_column(String(16))
+    num_speculative_tokens: Mapped[int] = mapped_column(Integer)
+    result: Mapped[str] = mapped_column(String(16))
+    compared_tokens: Mapped[int] = mapped_column(Integer)
+    diverged_at: Mapped[int | None] = mapped_column(Integer)
+    served_margin: Mapped[float | None] = mapped_column(Float)
+    plain_margin: Mapped[float | None] = mapped_column(Float)
+    served_gap: Mapped[float | None] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(Text)

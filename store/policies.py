@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Connection, Engine, insert, select, update
 
 from .models import AuditEntry, Policy, PolicyVersion
 
@@ -87,32 +87,41 @@ class PolicyRepository:
             )
         return Versioned(1, body, now, actor)
 
-    def write(self, body: dict[str, Any], expected: int, actor: str, reason: str | None, action: str) -> Versioned:
+    def write(
+        self,
+        body: dict[str, Any],
+        expected: int,
+        actor: str,
+        reason: str | None,
+        action: str,
+        conn: Connection | None = None,
+    ) -> Versioned:
+        """A new version after ``expected``; in ``conn``'s transaction where given (with other writes)."""
+        if conn is None:
+            with self.db.begin() as own:
+                return self.write(body, expected, actor, reason, action, own)
         now = self.clock()
-        with self.db.begin() as conn:
-            old = conn.execute(select(Policy.__table__).where(Policy.scope == SCOPE)).one()
-            result = conn.execute(
-                update(Policy)
-                .where(Policy.scope == SCOPE, Policy.version == expected)
-                .values(version=expected + 1, body=body, updated_at=now, updated_by=actor)
+        old = conn.execute(select(Policy.__table__).where(Policy.scope == SCOPE)).one()
+        result = conn.execute(
+            update(Policy)
+            .where(Policy.scope == SCOPE, Policy.version == expected)
+            .values(version=expected + 1, body=body, updated_at=now, updated_by=actor)
+        )
+        if result.rowcount != 1:
+            raise StaleVersionError(old.version)
+        conn.execute(
+            insert(PolicyVersion).values(scope=SCOPE, version=expected + 1, body=body, created_at=now, created_by=actor)
+        )
+        conn.execute(
+            insert(AuditEntry).values(
+                at=now,
+                actor=actor,
+                action=action,
+                scope=SCOPE,
+                reason=reason,
+                diff={"from_version": expected, "to_version": expected + 1, "changes": json_diff(old.body, body)},
             )
-            if result.rowcount != 1:
-                raise StaleVersionError(old.version)
-            conn.execute(
-                insert(PolicyVersion).values(
-                    scope=SCOPE, version=expected + 1, body=body, created_at=now, created_by=actor
-                )
-            )
-            conn.execute(
-                insert(AuditEntry).values(
-                    at=now,
-                    actor=actor,
-                    action=action,
-                    scope=SCOPE,
-                    reason=reason,
-                    diff={"from_version": expected, "to_version": expected + 1, "changes": json_diff(old.body, body)},
-                )
-            )
+        )
         return Versioned(expected + 1, body, now, actor)
 
     def versions(self, limit: int, offset: int) -> list[Versioned]:

@@ -17,7 +17,10 @@ Off the serving path and lossless:
   splitting the failing batch, stored in ``dead_letters`` with the error, and
   counted; everything after it keeps flowing.
 * Step statistics are aggregated per instance x minute x batch bucket x N
-  in memory and go through the same spool when their minute closes.
+  in memory and go through the same spool: running totals of the open minute
+  every ``step_snapshot_interval`` seconds (the tuner sees a probe seconds after
+  it ran, not when its minute closes), the final totals when it closes; the
+  newer totals replace the older in the database.
 * ``close`` flushes the open minute and ships what it can.
 """
 
@@ -34,12 +37,13 @@ from pathlib import Path
 from sqlalchemy import Engine, insert
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, StatementError
 
-from spectune.engine.schema import RequestRecord, StepRecord
+from spectune.engine.schema import FidelityRecord, RequestRecord, StepRecord
 
-from .db import insert_ignoring_duplicates, record_row, utc
-from .models import DeadLetter, RequestRecordRow, SampledPrompt, StepStat
+from .db import insert_ignoring_duplicates, record_row, upsert_step_stats, utc
+from .models import DeadLetter, FidelityCheck, SampledPrompt
 from .spool import Cursor, Spool
 from .steps import StepAggregator
+from .sums import insert_new_records
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ class Recorder:
         *,
         batch_size: int = 5000,
         flush_interval: float = 0.1,
+        step_snapshot_interval: float = 5.0,
         max_backoff: float = 5.0,
         prompt_retention: timedelta = timedelta(days=3),
     ) -> None:
@@ -82,6 +87,7 @@ class Recorder:
         self.spool = Spool(spool_dir)
         self.batch_size = batch_size
         self.flush_interval = flush_interval
+        self.step_snapshot_interval = step_snapshot_interval
         self.max_backoff = max_backoff
         self.prompt_retention = prompt_retention
         self.stats = RecorderStats()
@@ -110,6 +116,15 @@ class Recorder:
     def submit_step(self, step: StepRecord) -> None:
         self._steps.add(step)
 
+    def submit_fidelity(self, check: FidelityRecord) -> None:
+        try:
+            self.spool.append([{"kind": "fidelity", **check.__dict__}])
+        except Exception:
+            self.stats.dropped += 1
+            log.exception("fidelity check of %s could not be spooled; dropped", check.request_id)
+        else:
+            self.stats.spooled += 1
+
     def close(self, timeout: float = 10.0) -> bool:
         """Flush to the spool, then ship until caught up or ``timeout``.
 
@@ -131,10 +146,15 @@ class Recorder:
 
     # -- threads ---------------------------------------------------------------
     def _spool_loop(self) -> None:
-        """Closed minutes of step statistics go to the spool (request records are spooled in ``submit``)."""
+        """Step statistics go to the spool (request records are spooled in ``submit``)."""
+        last_snapshot = time.monotonic()
         while True:
             stop = self._stop_spooling.wait(self.flush_interval)
-            items = [{"kind": "steps", "writer": self.writer, **row} for row in self._steps.flush(final=stop)]
+            snapshot = time.monotonic() - last_snapshot >= self.step_snapshot_interval
+            if snapshot:
+                last_snapshot = time.monotonic()
+            rows = self._steps.flush(final=stop, snapshot_open=snapshot)
+            items = [{"kind": "steps", "writer": self.writer, **row} for row in rows]
             if items:
                 self.spool.append(items)
                 self.stats.spooled += len(items)
@@ -214,7 +234,7 @@ class Recorder:
         self.stats.dead_lettered += 1
 
     def _insert(self, items: list[dict]) -> None:
-        requests, steps, prompts = [], [], []
+        requests, steps, prompts, checks = [], [], [], []
         for original in items:
             item = dict(original)  # a refused batch is split and retried from the originals
             kind = item.pop("kind")
@@ -232,10 +252,14 @@ class Recorder:
                         )
                     )
                 requests.append(record_row(item))
+            elif kind == "fidelity":
+                item["checked_at"] = utc(item["checked_at"])
+                checks.append(item)
             else:
                 item["minute"] = utc(item["minute"])
                 steps.append(item)
         with self.db.begin() as conn:  # one transaction: a refused prompt leaves no half-shipped batch
-            insert_ignoring_duplicates(conn, RequestRecordRow.__table__, requests)
-            insert_ignoring_duplicates(conn, StepStat.__table__, steps)
+            insert_new_records(conn, requests)  # and their sums, exactly once
+            upsert_step_stats(conn, steps)
             insert_ignoring_duplicates(conn, SampledPrompt.__table__, prompts)
+            insert_ignoring_duplicates(conn, FidelityCheck.__table__, checks)

@@ -1,18 +1,19 @@
-"""Retention: fold old request records into per-minute rollups, then delete them.
+"""Retention: delete request records past their age, and their sums past theirs.
 
-Runs as a scheduled job.  Each chunk is one transaction -- rollup upsert and
-delete together -- so a crash never double-counts or loses a record.
+The sums (``store.sums``) already hold every record: deleting a record loses only its
+own row and its percentile contribution, never a count.  Deletes go in short
+chunks, one transaction each, oldest first, so ingest never waits on a long lock.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Engine, and_, delete, select, tuple_
+from sqlalchemy import Engine, delete, select
 
-from .models import RequestRecordRow, RequestRollup, SampledPrompt
-from .steps import add_positions
+from .db import conflict_insert
+from .models import RequestRecordRow, RequestSum, RequestSumPosition, RetentionHorizon, SampledPrompt
+from .sums import WIDTHS
 
 
 def expire_prompts(db: Engine, now: datetime | None = None) -> int:
@@ -21,81 +22,68 @@ def expire_prompts(db: Engine, now: datetime | None = None) -> int:
         return conn.execute(delete(SampledPrompt).where(SampledPrompt.expires_at < (now or datetime.now(UTC)))).rowcount
 
 
-def roll_up(db: Engine, older_than: timedelta, now: datetime | None = None, chunk: int = 5000) -> int:
-    """Roll up and delete records finished before ``now - older_than``; returns how many."""
+def expire_records(db: Engine, older_than: timedelta, now: datetime | None = None, chunk: int = 5000) -> int:
+    """Delete records finished before ``now - older_than``, ``chunk`` per transaction; returns how many."""
     cutoff = (now or datetime.now(UTC)) - older_than
+    oldest = (
+        select(RequestRecordRow.request_id)
+        .where(RequestRecordRow.finish_time < cutoff)
+        .order_by(RequestRecordRow.finish_time)
+        .limit(chunk)
+    )
+    with db.begin() as conn:  # first: a read during the deletes already knows raw rows may be gone
+        stmt = conflict_insert(conn, RetentionHorizon).values(table_name="request_records", deleted_before=cutoff)
+        later = stmt.excluded.deleted_before > RetentionHorizon.deleted_before
+        conn.execute(stmt.on_conflict_do_update(index_elements=["table_name"], set_={"deleted_before": cutoff},
+                                                where=later))  # fmt: skip
     total = 0
     while True:
         with db.begin() as conn:
-            rows = (
-                conn.execute(
-                    select(RequestRecordRow.__table__)
-                    .where(RequestRecordRow.finish_time < cutoff)
-                    .order_by(RequestRecordRow.finish_time)
-                    .limit(chunk)
-                )
-                .mappings()
-                .all()
-            )
-            if not rows:
+            ids = conn.execute(oldest).scalars().all()
+            if not ids:
                 return total
-            groups: dict[tuple, dict] = defaultdict(
-                lambda: dict(
-                    requests=0,
-                    errors=0,
-                    output_tokens=0,
-                    num_spec_steps=0,
-                    num_draft_tokens=0,
-                    num_accepted_tokens=0,
-                    drafted_per_position=[],
-                    accepted_per_position=[],
-                    ttft_s_sum=0.0,
-                    e2e_s_sum=0.0,
-                )
-            )
-            for r in rows:
-                minute = r["finish_time"].replace(second=0, microsecond=0)
-                g = groups[(r["instance_id"], r["prompt_class"], r["num_speculative_tokens"], minute)]
-                g["requests"] += 1
-                g["errors"] += r["finish_reason"] == "error"
-                for key in ("output_tokens", "num_spec_steps", "num_draft_tokens", "num_accepted_tokens"):
-                    g[key] += r[key]
-                add_positions(g["drafted_per_position"], r["drafted_per_position"])
-                add_positions(g["accepted_per_position"], r["accepted_per_position"])
-                g["ttft_s_sum"] += r["ttft_s"] or 0.0
-                g["e2e_s_sum"] += r["e2e_s"]
-            key_cols = (
-                RequestRollup.instance_id,
-                RequestRollup.prompt_class,
-                RequestRollup.num_speculative_tokens,
-                RequestRollup.minute,
-            )
-            existing = {
-                (e.instance_id, e.prompt_class, e.num_speculative_tokens, e.minute): e
-                for e in conn.execute(select(RequestRollup.__table__).where(tuple_(*key_cols).in_(list(groups)))).all()
-            }
-            for key, g in groups.items():
-                old = existing.get(key)
-                if old is None:
-                    conn.execute(
-                        RequestRollup.__table__.insert().values(
-                            instance_id=key[0], prompt_class=key[1], num_speculative_tokens=key[2], minute=key[3], **g
-                        )
-                    )
-                    continue
-                merged = {k: getattr(old, k) + v for k, v in g.items() if not k.endswith("_position")}
-                merged["drafted_per_position"] = add_positions(
-                    list(old.drafted_per_position), g["drafted_per_position"]
-                )
-                merged["accepted_per_position"] = add_positions(
-                    list(old.accepted_per_position), g["accepted_per_position"]
-                )
-                conn.execute(
-                    RequestRollup.__table__.update()
-                    .where(and_(*(c == v for c, v in zip(key_cols, key))))
-                    .values(**merged)
-                )
-            conn.execute(
-                delete(RequestRecordRow).where(RequestRecordRow.request_id.in_([r["request_id"] for r in rows]))
-            )
-            total += len(rows)
+            conn.execute(delete(RequestRecordRow).where(RequestRecordRow.request_id.in_(ids)))
+        total += len(ids)
+
+
+def records_deleted_before(db: Engine) -> datetime | None:
+    """Records finished before this may have been deleted (None: retention never ran)."""
+    with db.connect() as conn:
+        return conn.execute(
+            select(RetentionHorizon.deleted_before).where(RetentionHorizon.table_name == "request_records")
+        ).scalar()
+
+
+def expire_sums(db: Engine, older_than: timedelta, now: datetime | None = None) -> int:
+    """Delete the sums of periods that ended before ``now - older_than``; returns how many rows."""
+    cutoff = (now or datetime.now(UTC)) - older_than
+    deleted = 0
+    with db.begin() as conn:
+        for width in WIDTHS:
+            ended = cutoff - timedelta(seconds=width)  # a period starting before this ended before the cutoff
+            for model in (RequestSumPosition, RequestSum):
+                done = conn.execute(delete(model).where(model.width_s == width, model.start < ended)).rowcount
+            deleted += done  # the sums' rows (positions' rows go with them)
+    return deleted
+
+
+def run_retention(db: Engine, records: timedelta, sums: timedelta, now: datetime | None = None) -> int:
+    """The scheduled job: records first, then sums; returns how many records went."""
+    deleted = expire_records(db, records, now)
+    expire_sums(db, sums, now)
+    return deleted
+
+
+def left_out(db: Engine, since: datetime, *, raw_only: bool = False) -> str | None:
+    """What a read from ``since`` cannot count because retention deleted records, said in words (None:
+    nothing).  Sums-backed reads miss only the records of a partial first minute; ``raw_only`` reads
+    (latency percentiles) miss every record before the horizon."""
+    horizon = records_deleted_before(db)
+    if horizon is None or since >= horizon:
+        return None
+    if raw_only:
+        return f"records finished before {horizon.isoformat()} were deleted by retention: not counted"
+    if since.second == 0 and since.microsecond == 0:
+        return None
+    return (f"records finished before {horizon.isoformat()} were deleted by retention: those of the partial "
+            f"first minute from {since.isoformat()} are not counted (whole minutes come from their sums)")  # fmt: skip

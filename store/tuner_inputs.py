@@ -5,70 +5,168 @@ times so the tuner (and the replay benchmark) own the clock."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, func, select, update
 
-from .models import RequestRecordRow, StepStat, TunerDecision
-from .steps import add_positions
+from .aggregates import acceptance_by_class
+from .models import StepStat, TunerDecision
 
 
 def acceptance_counts(
     db: Engine, since: datetime, until: datetime | None = None
 ) -> dict[str, tuple[list[int], list[int]]]:
     """class -> (drafted per position, accepted per position) of requests finished in [since, until)."""
-    out: dict[str, tuple[list[int], list[int]]] = {}
-    R = RequestRecordRow
-    query = select(R.prompt_class, R.drafted_per_position, R.accepted_per_position).where(
-        R.finish_time >= since, R.num_draft_tokens > 0
-    )
-    if until is not None:
-        query = query.where(R.finish_time < until)
-    with db.connect() as conn:
-        for cls, drafted, accepted in conn.execute(query):
-            d, a = out.setdefault(cls, ([], []))
-            add_positions(d, drafted)
-            add_positions(a, accepted)
-    return out
+    return {
+        cls: (g.drafted_per_position, g.accepted_per_position)
+        for cls, g in acceptance_by_class(db, since, until, drafted_only=True).items()
+    }
 
 
-def tokens_per_step(db: Engine, prompt_class: str, since: datetime, until: datetime) -> tuple[float, int] | None:
-    """(1 + accepted per verify step, verify steps) of one class's requests finished in [since, until)."""
-    R = RequestRecordRow
-    with db.connect() as conn:
-        steps, accepted = conn.execute(
-            select(func.sum(R.num_spec_steps), func.sum(R.num_accepted_tokens)).where(
-                R.prompt_class == prompt_class, R.finish_time >= since, R.finish_time < until, R.num_spec_steps > 0
-            )
-        ).one()
-    if not steps:
-        return None
-    return 1 + accepted / steps, int(steps)
+@dataclass(frozen=True)
+class StepMinute:
+    """One writer-summed row of ``step_stats``: a minute, a batch bucket, an N."""
+
+    minute: datetime
+    bucket: int
+    n: int
+    steps: int
+    time_s: float
+    batch_sum: int
+    drafted: int
+    accepted: int
+    prefill_steps: int
+    prefill_time_s: float
+    prefill_generated: int
 
 
-def step_times(
-    db: Engine, since: datetime, until: datetime | None = None
-) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, int]]]:
-    """({bucket: {N: mean step time}}, {bucket: {N: steps}}) over the minutes in [since, until)."""
+def step_minutes(db: Engine, since: datetime, until: datetime | None = None) -> list[StepMinute]:
+    """Step statistics per minute, bucket and N over the minutes in [since, until), in one read:
+    a tuner run (and its closing of decisions) derives every range it needs from them."""
     S = StepStat
-    query = select(S.batch_bucket, S.num_speculative_tokens, func.sum(S.steps), func.sum(S.step_time_sum_s)).where(
-        S.minute >= since.replace(second=0, microsecond=0)
-    )
+    query = select(
+        S.minute,
+        S.batch_bucket,
+        S.num_speculative_tokens,
+        func.sum(S.steps),
+        func.sum(S.step_time_sum_s),
+        func.sum(S.batch_size_sum),
+        func.sum(S.num_draft_tokens),
+        func.sum(S.num_accepted_tokens),
+        func.sum(S.prefill_steps),
+        func.sum(S.prefill_time_sum_s),
+        func.sum(S.prefill_generated_tokens),
+    ).where(S.minute >= _minute(since))
     if until is not None:
         query = query.where(S.minute < until)
     with db.connect() as conn:
-        rows = conn.execute(query.group_by(S.batch_bucket, S.num_speculative_tokens)).all()
+        rows = conn.execute(query.group_by(S.minute, S.batch_bucket, S.num_speculative_tokens)).all()
+    return [StepMinute(r[0], *(int(x) for x in r[1:4]), float(r[4]), *(int(x) for x in r[5:9]),
+                       float(r[9]), int(r[10])) for r in rows]  # fmt: skip
+
+
+def _minute(t: datetime) -> datetime:
+    return t.replace(second=0, microsecond=0)
+
+
+def _within(rows: list[StepMinute], since: datetime, until: datetime | None) -> list[StepMinute]:
+    lo = _minute(since)
+    return [r for r in rows if r.minute >= lo and (until is None or r.minute < until)]
+
+
+def times_of(
+    rows: list[StepMinute], since: datetime, until: datetime | None = None
+) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, int]]]:
+    """({bucket: {N: mean step time}}, {bucket: {N: steps}}) over the minutes in [since, until)."""
+    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in _within(rows, since, until):
+        sums[(r.bucket, r.n)][0] += r.steps
+        sums[(r.bucket, r.n)][1] += r.time_s
     times: dict[int, dict[int, float]] = defaultdict(dict)
     counts: dict[int, dict[int, int]] = defaultdict(dict)
-    for bucket, n, steps, total in rows:
+    for (bucket, n), (steps, total) in sums.items():
         if steps:
             times[bucket][n] = total / steps
             counts[bucket][n] = int(steps)
     return dict(times), dict(counts)
 
 
-MEASUREMENT_ACTIONS = ("explore", "cost_probe")  # one-interval measurements: no cooldown after them
+def throughput_of(
+    rows: list[StepMinute], since: datetime, until: datetime | None = None
+) -> dict[int, dict[int, tuple]]:
+    """{bucket: {N: (tokens generated, seconds, steps)}} over the minutes in [since, until): every step
+    at that key, prompts' steps included -- what serving there delivered, measured."""
+    out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0]))
+    for r in _within(rows, since, until):
+        entry = out[r.bucket][r.n]
+        entry[0] += r.batch_sum + r.accepted + r.prefill_generated
+        entry[1] += r.time_s + r.prefill_time_s
+        entry[2] += r.steps + r.prefill_steps
+    return {b: {n: tuple(v) for n, v in per.items()} for b, per in out.items()}
+
+
+def drafting_share_of(rows: list[StepMinute], since: datetime, until: datetime | None = None) -> dict[int, dict]:
+    """{bucket: {N: share of the requests in decode steps at N that drafted}} over [since, until): draft
+    tokens over N per request of the batch (a demoted request runs in the step, drafts nothing)."""
+    sums: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
+    for r in _within(rows, since, until):
+        if r.n > 0 and r.batch_sum:
+            sums[(r.bucket, r.n)][0] += r.drafted
+            sums[(r.bucket, r.n)][1] += r.n * r.batch_sum
+    out: dict[int, dict[int, float]] = defaultdict(dict)
+    for (bucket, n), (drafted, possible) in sums.items():
+        out[bucket][n] = min(1.0, drafted / possible)
+    return dict(out)
+
+
+MIN_PREFILL_STEPS = 3  # steps that also prefilled, per bucket and side, for their cost to count as measured
+
+
+def prefill_of(
+    rows: list[StepMinute], since: datetime, until: datetime | None = None
+) -> dict[int, dict[str, float | None]]:
+    """{bucket: {"batch": mean batch size, "off": u, "on": u}} over the minutes in [since, until).
+
+    u is what steps that also prefilled cost beyond a decode step at the same key (N = 0 for
+    "off", N > 0 for "on"), per token generated at that side of the bucket; None where fewer
+    than ``MIN_PREFILL_STEPS`` such steps ran.  Noise can make the excess negative: it counts as 0.
+    """
+    keys: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0] * 7)
+    for r in _within(rows, since, until):
+        k = keys[(r.bucket, r.n)]
+        for i, v in enumerate((r.steps, r.time_s, r.batch_sum, r.accepted, r.prefill_steps, r.prefill_time_s,
+                               r.prefill_generated)):  # fmt: skip
+            k[i] += v
+    sides: dict[int, dict[str, list[float]]] = defaultdict(lambda: {"off": [0, 0, 0], "on": [0, 0, 0]})
+    batch: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for (bucket, n), (steps, time_s, batch_sum, accepted, p_steps, p_time, p_generated) in keys.items():
+        batch[bucket][0] += batch_sum
+        batch[bucket][1] += steps
+        side = sides[bucket]["on" if n > 0 else "off"]
+        side[1] += batch_sum + accepted + p_generated  # every token of the side shares its prompts' cost
+        if steps and p_steps:
+            side[0] += p_time - p_steps * time_s / steps  # beyond the decode step it also was
+            side[2] += p_steps
+    out: dict[int, dict[str, float | None]] = {}
+    for bucket, (batch_sum, steps) in batch.items():
+        if not steps:
+            continue
+        entry: dict[str, float | None] = {"batch": batch_sum / steps}
+        for name, (excess, generated, p_steps) in sides[bucket].items():
+            entry[name] = max(0.0, excess) / generated if p_steps >= MIN_PREFILL_STEPS and generated else None
+        out[bucket] = entry
+    return out
+
+
+def prefill_costs(db: Engine, since: datetime, until: datetime | None = None) -> dict[int, dict[str, float | None]]:
+    """``prefill_of`` read from the store."""
+    return prefill_of(step_minutes(db, since, until), since, until)
+
+
+MEASUREMENT_ACTIONS = ("explore", "cost_probe", "reprobe")  # measurements: no cooldown after them
 
 
 def last_applied(db: Engine, action: str | None = None) -> dict[str, datetime]:
@@ -88,7 +186,7 @@ def decisions_awaiting_outcome(db: Engine, before: datetime, max_age: timedelta)
     D = TunerDecision
     with db.connect() as conn:
         rows = conn.execute(
-            select(D.id, D.at, D.prompt_class, D.batch_bucket, D.n_after, D.inputs)
+            select(D.id, D.at, D.prompt_class, D.batch_bucket, D.n_after)
             .where(
                 D.realised_speedup.is_(None),
                 D.n_after > 0,
@@ -101,13 +199,22 @@ def decisions_awaiting_outcome(db: Engine, before: datetime, max_age: timedelta)
     return [r._asdict() for r in rows]
 
 
-def next_decision_time(db: Engine, prompt_class: str, after: datetime) -> datetime | None:
-    with db.connect() as conn:
-        return conn.execute(
-            select(func.min(TunerDecision.at)).where(
-                TunerDecision.prompt_class == prompt_class, TunerDecision.at > after
-            )
-        ).scalar()
+class DecisionTimes:
+    """When each class's decisions were taken from ``since`` on (one read): the end of a
+    decision's span is the next decision of its class."""
+
+    def __init__(self, db: Engine, since: datetime) -> None:
+        D = TunerDecision
+        with db.connect() as conn:
+            rows = conn.execute(select(D.prompt_class, D.at).where(D.at >= since).order_by(D.at)).all()
+        self._times: dict[str, list[datetime]] = defaultdict(list)
+        for cls, at in rows:
+            self._times[cls].append(at)
+
+    def next_after(self, prompt_class: str, after: datetime) -> datetime | None:
+        times = self._times.get(prompt_class, [])
+        i = bisect_right(times, after)
+        return times[i] if i < len(times) else None
 
 
 def set_realised(db: Engine, decision_id: int, realised: float) -> None:

@@ -60,6 +60,73 @@ async def running_engine(config: EngineConfig):
         await engine.shutdown()
 
 
+class PlainEngine:
+    """The session's one plain (``--method none``) tiny engine, on an event loop thread of its own,
+    so that every module compares against a true plain engine without starting one (each start
+    and stop costs ~35 s here).  ``call(fn)`` runs ``fn(engine, sink)`` there from any loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import asyncio
+        import threading
+
+        from spectune.engine.core import SpecEngine
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="plain-engine", daemon=True)
+        self.thread.start()
+        self.sink = MemorySink()
+        self.engine = SpecEngine(config, [self.sink])
+        asyncio.run_coroutine_threadsafe(self.engine.start(), self.loop).result(timeout=600)
+
+    async def call(self, fn):
+        import asyncio
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(self.engine, self.sink), self.loop))
+
+    async def complete(self, prompt: str, max_tokens: int = 24, **kw) -> tuple[str, list[int], str]:
+        return await self.call(lambda engine, _: complete(engine, prompt, max_tokens, **kw))
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.engine.shutdown(), self.loop).result(timeout=120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def plain_engine(tiny):
+    engine = PlainEngine(tiny_config(tiny, method="none", n=0))
+    yield engine
+    engine.close()
+
+
+@asynccontextmanager
+async def control_plane_on_loopback(db_url: str, token: str = "op"):
+    """A control plane (no engine) served by uvicorn in a thread on a free port; yields its base URL."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from spectune.api.auth import Role, TokenSpec
+    from spectune.app import create_app
+    from spectune.store.db import make_engine, upgrade
+
+    upgrade(db_url)
+    app = create_app(None, make_engine(db_url), {"op": TokenSpec(token=token, role=Role.OPERATOR)})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 async def complete(engine, prompt: str, max_tokens: int = 24, **kw) -> tuple[str, list[int], str]:
     """Run one request to the end; returns (text, token ids, request id)."""
     import uuid
@@ -142,17 +209,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: float):
-    """Start `spectune serve ARGS` and wait until /readyz says ready; returns (process, base URL)."""
+def spawn_server(args: list[str], env: dict[str, str], log_path: Path, timeout: float, port: int | None = None):
+    """Start `spectune serve ARGS` (on ``port``, default a free one) and wait until /readyz says ready;
+    returns (process, base URL). The process leads a session of its own: ``os.killpg`` takes its
+    children too (vLLM's engine core), as killing a container would."""
     import subprocess
     import sys
 
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "spectune.cli", "serve", "--port", str(port), *args],
         env=env,
-        stdout=log_path.open("w"),
+        stdout=log_path.open("a"),
         stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -201,7 +271,13 @@ def wait_ready(proc, url: str, log_path: Path, timeout: float = 300, headers: di
 
 
 def serve_tiny(
-    tiny: dict[str, Path], root: Path, *args: str, timeout: float = 180, draft: str = "copy", **env_overrides: str
+    tiny: dict[str, Path],
+    root: Path,
+    *args: str,
+    timeout: float = 180,
+    draft: str = "copy",
+    port: int | None = None,
+    **env_overrides: str,
 ):
     """`spectune serve` on the tiny models (``draft``: copy / indep / noised; N=3 of capacity 4) with test tokens."""
     env = dict(
@@ -214,7 +290,7 @@ def serve_tiny(
         **env_overrides,
     )
     model_args = ["--model", str(tiny["target"]), "--draft-model", str(tiny[draft]), "-n", "3"]
-    return spawn_server([*model_args, "--max-speculative-tokens", "4", *args], env, root / "server.log", timeout)
+    return spawn_server([*model_args, "--max-speculative-tokens", "4", *args], env, root / "server.log", timeout, port)
 
 
 class CompletionLoad:

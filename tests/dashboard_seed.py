@@ -10,7 +10,8 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import insert
 
 from spectune.store.db import insert_ignoring_duplicates, insert_records, make_engine, upgrade, utc
-from spectune.store.models import AlertEvent, DiagnosticsReport, StepStat, TunerDecision
+from spectune.store.instances import heartbeat
+from spectune.store.models import AlertEvent, DiagnosticsReport, FidelityCheck, StepStat, TunerDecision
 
 from records import make_records
 
@@ -88,4 +89,15 @@ def seed(url: str) -> None:
                 labels={"alertname": "SpecPredictedSpeedupBelowOne", "class": "long"},
             )
         )  # fmt: skip
+        checks = [
+            dict(request_id=f"audit-{i}", instance_id="engine-a", prompt_class="qa",
+                 checked_at=now - timedelta(minutes=i), speculation_method="draft_model", num_speculative_tokens=3,
+                 result=result, compared_tokens=48,
+                 diverged_at=None if result == "match" else 17, served_margin=margin, plain_margin=margin,
+                 served_gap=0.0, reason=f"seeded {result}")
+            for i, (result, margin) in enumerate((("match", None),) * 3 + (("near_tie", 0.125), ("defect", 2.5)))
+        ]  # fmt: skip
+        conn.execute(insert(FidelityCheck), checks)
+    for name, version in (("engine-a", 1), ("engine-b", 1)):  # two engines reporting the policy they hold
+        heartbeat(db, name, "target", "draft_model", 6, now - timedelta(minutes=30), None, version, "draft")
     db.dispose()

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
+
 from servers import ThreadedServer
 
 DURATION = re.compile(r"^\d+[smhd]$")

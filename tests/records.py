@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import random
 import time
+from datetime import UTC, datetime, timedelta
+
+import sqlalchemy as sa
 
 from spectune.engine.schema import RequestRecord
+from spectune.store.models import RequestSum, RequestSumPosition
+
+NOW = datetime(2026, 6, 1, 12, tzinfo=UTC)
+TOTALS = ("requests", "drafting_requests", "errors", "output_tokens", "num_spec_steps", "num_draft_tokens",
+          "num_accepted_tokens")  # fmt: skip
 
 
 def make_records(n: int, prefix: str = "r", seed: int = 0, instance: str = "i-1") -> list[RequestRecord]:
@@ -45,3 +53,30 @@ def make_records(n: int, prefix: str = "r", seed: int = 0, instance: str = "i-1"
             )
         )
     return out
+
+
+def spread_records(records, seed: int = 0):
+    """Records over two hours before NOW, three instances, some that drafted nothing."""
+    out = []
+    for i, r in enumerate(records):
+        update = {"finish_time": (NOW - timedelta(seconds=(i * 37 + seed) % 7200)).timestamp(),
+                  "instance_id": "abc"[i % 3]}  # fmt: skip
+        if i % 7 == 0:
+            update |= {"num_draft_tokens": 0, "num_accepted_tokens": 0, "drafted_per_position": [],
+                       "accepted_per_position": []}  # fmt: skip
+        out.append(r.model_copy(update=update))
+    return out
+
+
+def stored_sums(db) -> tuple[dict, dict]:
+    """The sums tables as {(width, start, instance, class, N): [TOTALS...]} and
+    {(width, start, instance, class, N, position): [drafted, accepted]}."""
+    with db.connect() as conn:
+        sums = conn.execute(sa.select(RequestSum.__table__)).all()
+        positions = conn.execute(sa.select(RequestSumPosition.__table__)).all()
+    return (
+        {(m.width_s, m.start, m.instance_id, m.prompt_class, m.num_speculative_tokens): [getattr(m, c) for c in TOTALS]
+         for m in sums},
+        {(p.width_s, p.start, p.instance_id, p.prompt_class, p.num_speculative_tokens, p.position):
+         [p.drafted, p.accepted] for p in positions},
+    )  # fmt: skip

@@ -3,14 +3,13 @@ loopback, with the committed rules sped up (5m windows -> 20s, for -> 10s),
 scrape a running spectune whose draft is bad (independent tiny draft):
 SpecAcceptanceLow fires -> Alertmanager calls the webhook -> the alert is
 stored and a diagnosis linked to it exists in the DB -> the draft is restored
-through the policy API -> the alert resolves and the resolution is stored."""
+through the policy API -> the alert resolves and the resolution is stored.
+
+Slow tier (about 2 minutes here); the default tier keeps the rules under promtool
+(tests/test_prometheus_rules.py) and an alert's webhook -> diagnosis link (tests/test_diagnose.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -19,18 +18,11 @@ import yaml
 from sqlalchemy import create_engine, text
 
 from conftest import OPERATOR, VIEWER, CompletionLoad, free_port, serve_tiny
+from servers import binary, start_process, wait_for
 
+pytestmark = pytest.mark.slow
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 FAST = {"[5m]": "[20s]", "for: 5m": "for: 10s", "for: 10m": "for: 10s", "interval: 30s": "interval: 1s"}
-
-
-def _binary(name: str) -> str:
-    found = shutil.which(name)
-    if found is None:
-        if os.environ.get("SPECTUNE_REQUIRE_PROMTOOL"):
-            pytest.fail(f"{name} not found but SPECTUNE_REQUIRE_PROMTOOL is set")
-        pytest.skip(f"{name} not installed (apt-get install prometheus prometheus-alertmanager)")
-    return found
 
 
 def _fast_rules(path: Path) -> None:
@@ -41,33 +33,9 @@ def _fast_rules(path: Path) -> None:
     path.write_text(rules)
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    pytest.fail(f"{what} did not happen within {timeout:.0f} s")
-
-
-def _start(args: list[str], log: Path, ready_url: str) -> subprocess.Popen:
-    proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-    def ready() -> bool:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            return httpx.get(ready_url, timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _wait(ready, 60, f"{args[0]} ready")
-    return proc
-
-
 @pytest.fixture(scope="module")
 def stack(tiny, tmp_path_factory):
-    prometheus, alertmanager = _binary("prometheus"), _binary("prometheus-alertmanager")
+    prometheus, alertmanager = binary("prometheus"), binary("prometheus-alertmanager")
     root = tmp_path_factory.mktemp("alerts")
     db = f"sqlite:///{root}/spectune.db"
     server, base = serve_tiny(tiny, root, "--db", db, draft="indep", SPECTUNE_TUNER_INTERVAL_S="86400")
@@ -82,7 +50,7 @@ def stack(tiny, tmp_path_factory):
         hook["http_config"]["authorization"]["credentials_file"] = str(root / "token")
         (root / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
         procs.append(
-            _start(
+            start_process(
                 [
                     alertmanager,
                     f"--config.file={root / 'alertmanager.yml'}",
@@ -101,7 +69,7 @@ def stack(tiny, tmp_path_factory):
         (root / "prometheus.yml").write_text(yaml.safe_dump(prom_config))
         _fast_rules(root / "rules.yml")
         procs.append(
-            _start(
+            start_process(
                 [
                     prometheus,
                     f"--config.file={root / 'prometheus.yml'}",
@@ -133,7 +101,7 @@ def _events(db, status: str) -> list:
 def test_bad_draft_fires_the_alert_into_a_diagnosis_and_restoring_it_resolves(stack):
     base, db, prometheus, good_draft = stack
     with CompletionLoad(base, workers=2) as load:
-        firing = _wait(lambda: _events(db, "firing"), 150, "SpecAcceptanceLow firing at the webhook")
+        firing = wait_for(lambda: _events(db, "firing"), 150, "SpecAcceptanceLow firing at the webhook")
         assert firing[0].diagnosis_id is not None
         with db.connect() as conn:
             trigger, prompt_class = conn.execute(
@@ -149,6 +117,6 @@ def test_bad_draft_fires_the_alert_into_a_diagnosis_and_restoring_it_resolves(st
         patch = {"global": {"draft_model": str(good_draft)}}
         r = httpx.patch(f"{base}/api/v1/policy", json=patch, headers={**OPERATOR, "If-Match": etag}, timeout=180)
         assert r.status_code == 200, r.text
-        _wait(lambda: _events(db, "resolved"), 150, "SpecAcceptanceLow resolved at the webhook")
+        wait_for(lambda: _events(db, "resolved"), 150, "SpecAcceptanceLow resolved at the webhook")
     assert load.failures == []
     assert len(_events(db, "firing")) == 1  # repeated notifications stored once

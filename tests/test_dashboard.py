@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from dashboard_seed import seed
-from servers import ThreadedServer
 from streamlit.testing.v1 import AppTest
 
 from spectune.api.auth import Role, TokenSpec
@@ -19,6 +17,8 @@ from spectune.app import create_app
 from spectune.store.db import make_engine
 
 from conftest import free_port
+from dashboard_seed import seed
+from servers import ThreadedServer
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboards" / "operator" / "app.py")
 TOKENS = {
@@ -80,6 +80,8 @@ def test_overview(api_url):
     assert latency.loc[latency["metric"] == "TTFT", "p50"].tolist() == [50.0, 50.0]  # seeded ttft 0.05 s
     points = table(at, "time", "acceptance", "output_tokens_per_s")
     assert points["acceptance"].between(0, 1).all() and points["requests"].sum() == 120
+    fleet = table(at, "instance_id", "settings_version", "behind")
+    assert set(fleet["instance_id"]) == {"engine-a", "engine-b"} and not fleet["behind"].any()
 
 
 def test_acceptance(api_url):
@@ -155,6 +157,15 @@ def test_diagnostics_report_and_running_state(api_url):
     per_position = table(at, "class", "position", "kind", "acceptance")
     assert per_position.query("kind == 'expected'")["acceptance"].tolist() == [0.3, 0.2, 0.15]
     assert table(at, "target_token", "draft_token")["draft_token"].tolist() == [" y"]
+
+
+def test_diagnostics_show_the_fidelity_audit(api_url):
+    at = page(api_url, "Diagnostics")
+    summary = table(at, "class", "audited", "match", "near_tie", "defect")
+    assert summary.iloc[0][["audited", "match", "near_tie", "defect"]].tolist() == [5, 3, 1, 1]
+    assert any("1 audited request(s)" in e.value for e in at.error)
+    divergences = table(at, "request_id", "result", "diverged_at")
+    assert divergences["result"].tolist() == ["near_tie", "defect"]  # newest first
 
 
 def test_alerts_link_to_their_diagnosis(api_url):

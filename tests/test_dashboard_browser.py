@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dashboard_seed import seed
 
 from conftest import free_port, serve_tiny
+from dashboard_seed import seed
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "var" / "test-artifacts" / "dashboard"

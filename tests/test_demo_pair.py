@@ -50,9 +50,16 @@ def test_demo_pair_serves_with_speculation(demo_server):
         temperature=0,
     )
     assert "def" in out.choices[0].message.content
-    time.sleep(0.5)
     import json
 
-    record = json.loads((root / "records.jsonl").read_text().splitlines()[-1])
+    def this_record() -> dict | None:
+        path = root / "records.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []  # whole lines only
+        return next((r for r in map(json.loads, lines) if r["request_id"] == out.id), None)
+
+    deadline = time.monotonic() + 120  # the JSONL sink writes after the response; the deadline stops a hang
+    while (record := this_record()) is None:
+        assert time.monotonic() < deadline, f"no record {out.id} in records.jsonl"
+        time.sleep(0.1)
     assert record["speculation_enabled"] and record["num_draft_tokens"] > 0
     assert record["num_accepted_tokens"] / record["num_draft_tokens"] > 0.3  # same-family draft

@@ -17,7 +17,7 @@ from spectune.api.auth import Role, TokenSpec
 from spectune.app import create_app
 from spectune.store.db import make_engine, upgrade
 from spectune.store.models import DiagnosticsReport
-from spectune.tuner.diagnose import DiagnosisInput, block_acceptance, findings, run_diagnosis
+from spectune.tuner.diagnose import DiagnosisInput, DutyCycle, block_acceptance, findings, run_diagnosis
 from spectune.tuner.diagnosis_job import DiagnosisRunner
 
 PROMPTS = [("qa", "the model draft"), ("long", "accept the token " * 8)]
@@ -53,6 +53,40 @@ def test_independent_draft_is_accepted_nowhere_and_the_findings_say_so(reports):
     assert reports["indep"]["top_disagreements"][0]["expected_acceptance"] < 0.5
     layers = reports["indep"]["attention_entropy"]
     assert len(layers["target"]) == len(layers["draft"]) == 2 and all(e > 0 for e in layers["target"])
+
+
+def test_duty_cycle_idles_to_its_share():
+    now, slept = [0.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    pace = DutyCycle(0.25, clock=lambda: now[0], sleep=sleep)
+    for work in (1.0, 0.2, 0.0):
+        now[0] += work
+        pace.pause()
+    assert slept == pytest.approx([3.0, 0.6, 0.0])
+    assert pace.busy_s / (pace.busy_s + pace.idle_s) == pytest.approx(0.25)
+    unthrottled = DutyCycle(1.0, clock=lambda: now[0], sleep=sleep)
+    now[0] += 5
+    unthrottled.pause()
+    assert len(slept) == 3 and unthrottled.busy_s == pytest.approx(5)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="cpu share"):
+            DutyCycle(bad)
+
+
+def test_a_paced_diagnosis_pauses_every_token_and_reports_its_share(tiny, monkeypatch):
+    pauses = []
+    original = DutyCycle.pause
+    monkeypatch.setattr(DutyCycle, "pause", lambda self: (pauses.append(1), original(self)))
+    inp = DiagnosisInput(target=str(tiny["target"]), draft=str(tiny["copy"]), prompts=PROMPTS[:1],
+                         max_new_tokens=16, positions=4, cpu_share=0.5)  # fmt: skip
+    report = run_diagnosis(inp)
+    assert len(pauses) >= 16  # one per generated token at least, not one per diagnosis
+    cpu = report["cpu"]
+    assert cpu["share"] == 0.5 and cpu["busy_s"] > 0 and cpu["idle_s"] == pytest.approx(cpu["busy_s"])
 
 
 def test_findings_rules():
@@ -179,4 +213,69 @@ def test_a_firing_alert_starts_a_linked_diagnosis(tiny, tmp_path):
         row = _finished_report(api, report_id)
         assert row["trigger"] == "alert" and row["prompt_class"] == "qa" and row["status"] == "done"
         assert len(api.get("/api/v1/diagnostics", headers=auth).json()) == 1  # repeats start nothing
+    runner.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; whoever adopted it reaps it
+
+
+def test_the_worker_exits_with_a_killed_server(tmp_path):
+    """kill -9 of the serving process must not leave a worker holding two models' memory."""
+    import os
+    import signal
+
+    from servers import wait_for
+
+    script = f"""
+import time
+from spectune.store.db import make_engine, upgrade
+from spectune.tuner.diagnosis_job import DiagnosisRunner
+url = "sqlite:///{tmp_path}/d.db"
+upgrade(url)
+runner = DiagnosisRunner(make_engine(url), lambda: ("{tmp_path}/no-target", "{tmp_path}/no-draft"))
+runner.submit("test", None)[1].result(timeout=120)
+print(*runner._pool._processes, flush=True)
+time.sleep(600)
+"""
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    (worker,) = (int(pid) for pid in server.stdout.readline().split())
+    assert _alive(worker)
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait()
+    wait_for(lambda: not _alive(worker), 60, "the orphaned diagnosis worker exiting", poll=0.1)  # stops a hang
+
+
+def test_a_diagnosis_that_would_not_fit_in_memory_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    import json
+
+    from spectune.tuner import diagnosis_job
+    from spectune.tuner.diagnosis_job import GIB, fp32_bytes, memory_shortfall
+
+    models = {}
+    for name, dtype, size in (("target", "bfloat16", 3000), ("draft", "float32", 1000)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"torch_dtype": dtype}))
+        (tmp_path / name / "model.safetensors").write_bytes(b"\0" * size)
+        models[name] = str(tmp_path / name)
+    assert fp32_bytes(models["target"]) == 6000 and fp32_bytes(models["draft"]) == 1000  # bf16 doubles
+    assert fp32_bytes(str(tmp_path / "not-a-model")) is None
+    assert memory_shortfall(models["target"], models["draft"], GIB + 7000) is None
+    why = memory_shortfall(models["target"], models["draft"], GIB + 6999)
+    assert why is not None and "not enough memory" in why and "--no-engine" in why
+    url = f"sqlite:///{tmp_path}/m.db"
+    upgrade(url)
+    db = make_engine(url)
+    monkeypatch.setattr(diagnosis_job, "available_memory", lambda: GIB)
+    runner = DiagnosisRunner(db, lambda: (models["target"], models["draft"]))
+    report_id, future = runner.submit("tuner", "qa")
+    assert future.result(timeout=1) == report_id
+    with db.connect() as conn:
+        row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).one()
+    assert row.status == "failed" and "not enough memory" in row.error
+    assert not runner._pool._processes  # no worker was started for it
     runner.shutdown()

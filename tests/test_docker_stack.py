@@ -32,8 +32,27 @@ def test_compose_validates_and_every_service_has_a_healthcheck():
     )
     assert out.returncode == 0, out.stderr
     services = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]
-    assert {"postgres", "spectune", "prometheus", "alertmanager"} <= set(services)
+    assert {"postgres", "control-plane", "engine", "router", "prometheus", "alertmanager"} <= set(services)
     assert [name for name, s in services.items() if "healthcheck" not in s] == []
+
+
+def test_the_fleet_scales_engines_behind_a_router_and_one_control_plane():
+    compose = _tool("docker-compose", "SPECTUNE_REQUIRE_COMPOSE")
+    out = subprocess.run(
+        [compose, "-f", str(ROOT / "docker" / "compose.yaml"), "config"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]  # as compose resolved it
+    engine, control = services["engine"], services["control-plane"]
+    assert "ports" not in engine and "container_name" not in engine  # scalable: no fixed host port or name
+    assert engine["command"][-2:] == ["--control-plane", "http://control-plane:8000"]
+    assert "--no-engine" in control["command"]
+    assert engine["environment"]["SPECTUNE_DB"] == control["environment"]["SPECTUNE_DB"]  # one store
+    router = (ROOT / "docker" / "router.conf").read_text()
+    assert "server engine:8000 resolve" in router
+    prometheus = yaml.safe_load((ROOT / "dashboards" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert jobs["spectune-engines"]["dns_sd_configs"][0]["names"] == ["engine"]
 
 
 def test_images_run_the_readme_commands():

@@ -32,12 +32,6 @@ async def engine(tiny):
         yield pair
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def plain(tiny):
-    async with running_engine(tiny_config(tiny, method="none", n=0)) as pair:
-        yield pair
-
-
 async def until(condition, timeout: float = 60.0) -> None:
     """Wait until ``condition()`` holds (engine steps arrive through the stat logger)."""
     deadline = time.monotonic() + timeout
@@ -69,9 +63,8 @@ async def test_no_draft_forward_when_no_request_speculates(engine):
     assert record.num_draft_tokens > 0 and speculating >= record.num_draft_tokens
 
 
-async def test_off_on_off_while_requests_run(engine, plain):
+async def test_off_on_off_while_requests_run(engine, plain_engine):
     eng, sink = engine
-    plain_eng, _ = plain
     wave_a = [f"first wave request {i} runs across off and on" for i in range(6)]
     wave_b = [f"second wave {i} admitted after resuming" for i in range(6)]
     reference = {
@@ -80,7 +73,7 @@ async def test_off_on_off_while_requests_run(engine, plain):
             wave_a + wave_b,
             await asyncio.gather(
                 *[
-                    complete(plain_eng, p, 160 if p in wave_a else 64, temperature=0.0, ignore_eos=True)
+                    plain_engine.complete(p, 160 if p in wave_a else 64, temperature=0.0, ignore_eos=True)
                     for p in wave_a + wave_b
                 ]
             ),

@@ -44,6 +44,39 @@ def test_off_when_speculation_does_not_pay():
     assert d.n == d.best_n >= 5  # back on in one move
 
 
+def test_the_busiest_bucket_is_where_most_sequences_were_served():
+    from spectune.tuner.goodput import busiest_bucket
+
+    # 100 steps at batch 1 against 60 at batch 8 (480 sequence-steps): the load is at 8
+    assert busiest_bucket({1: {0: 40, 2: 60}, 8: {0: 60}}) == 8
+    assert busiest_bucket({1: {2: 500}, 8: {0: 60}}) == 1
+    assert busiest_bucket({}) is None
+
+
+def test_break_even_speculation_goes_off_and_needs_the_full_gain_to_come_back():
+    # N=1 predicted 1.5 / 1.48 = 1.014x: within the model's error of plain, and off is free.
+    d = choose_n([0.5] * 8, cost=0.48, current=1, n_min=1, n_max=8)
+    assert d.n == 0 and "off" in d.reason
+    assert choose_n([0.5] * 8, cost=0.48, current=0, n_min=1, n_max=8).n == 0
+    # 1.5 / 1.4 = 1.07x: stays on, and switches on from off (>= 5 %)
+    assert choose_n([0.5] * 8, cost=0.4, current=1, n_min=1, n_max=8).n == 1
+    assert choose_n([0.5] * 8, cost=0.4, current=0, n_min=1, n_max=8).n == 1
+
+
+def test_the_busiest_bucket_goes_plain_where_the_class_n_only_breaks_even():
+    from spectune.engine.schema import BatchRange, n_for_batch
+    from spectune.tuner.decide import decide_batch_table
+    from spectune.tuner.goodput import CostFit
+
+    on_at_8 = [BatchRange(min_batch=5, max_batch=8, num_speculative_tokens=1)]
+    policy = _policy(n_min=0, n_max=8).model_copy(update={"batch_table": on_at_8})
+    costs = {1: CostFit(0.1, 0.1, "fit", {0: 0.1}), 8: CostFit(0.3, 0.48, "fit", {0: 0.3, 1: 0.444})}
+    table = decide_batch_table(policy, [0.5] * 8, costs, class_n=1, class_bucket=8)
+    assert n_for_batch(table, 8, 1) == 0 and n_for_batch(table, 1, 1) > 0
+    costs[8] = CostFit(0.3, 0.4, "fit", {0: 0.3, 1: 0.42})  # 1.07x: stays on
+    assert n_for_batch(decide_batch_table(policy, [0.5] * 8, costs, class_n=1, class_bucket=8), 8, 1) == 1
+
+
 @given(a=alpha, c=cost, bounds=n_bounds, start=st.integers(0, 8))
 @settings(max_examples=300, deadline=None)
 def test_stationary_inputs_never_oscillate(a, c, bounds, start):
@@ -145,6 +178,65 @@ def test_batch_table_switches_off_where_verification_is_dear():
     assert (3, 4, 0) in [(e.min_batch, e.max_batch, e.num_speculative_tokens) for e in probed]
 
 
+def test_a_borrowed_cost_grows_with_what_one_more_sequence_costs_a_plain_step():
+    # Step times like the demo pair's on this CPU: a plain step at batch 8 costs 1.6x batch 1's, so
+    # verifying a drafted token per sequence is much dearer there than at batch 1.
+    times = {1: {0: 0.090, 1: 0.130, 2: 0.160, 3: 0.190}, 8: {0: 0.141}}
+    costs = costs_by_bucket(times, prior=0.3)
+    assert costs[8].source == "bucket 1 + plain-step slope"
+    slope = (0.141 - 0.090) / 7
+    drafter = costs[1].cost_ratio - slope / 0.090
+    assert costs[8].cost_ratio == pytest.approx(drafter + slope * 8 / 0.141)
+    assert costs[8].cost_ratio > costs[1].cost_ratio
+    assert speedup([0.8] * 3, 1, costs[8]) < 1.1 < speedup([0.8] * 3, 1, costs[1])
+    # Without plain steps at both buckets nothing is scaled: c is the nearest fitted bucket's.
+    unscaled = costs_by_bucket({1: times[1], 8: {3: 0.5}}, prior=0.3)
+    assert unscaled[8].source == "bucket 1" and unscaled[8].cost_ratio == costs[1].cost_ratio
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.01, 0.2), st.floats(0.0, 0.05), st.floats(0.0, 1.0), st.sampled_from([2, 4, 8, 16]))
+def test_a_larger_bucket_never_borrows_a_cheaper_cost(t0, slope, c_ref, bucket):
+    from spectune.tuner.goodput import scaled_cost_ratio
+
+    c = scaled_cost_ratio(c_ref, 1, t0, bucket, t0 + slope * (bucket - 1), slope)
+    assert c >= c_ref - 1e-12
+
+
+def test_batches_never_measured_run_plain_and_a_borrowed_model_needs_a_margin_to_go_on():
+    from spectune.engine.schema import n_for_batch
+    from spectune.tuner.decide import decide_batch_table
+    from spectune.tuner.goodput import CostFit
+
+    policy = _policy(n_min=0, n_max=8)
+    table = decide_batch_table(policy, [0.8] * 8, {1: CostFit(0.1, 0.1, "fit", {0: 0.1})}, class_n=3, class_bucket=1)
+    assert [(e.min_batch, e.max_batch, e.num_speculative_tokens) for e in table] == [(2, 4096, 0)]
+    # Batch 8 now measured plain, its cost borrowed: a predicted 1.07x is not enough to go back on ...
+    alphas = [0.8] * 8
+    barely = CostFit(0.14, 0.68, "bucket 1 + plain-step slope", {0: 0.14})
+    assert 1.05 < speedup(alphas, 1, barely) < 1.1
+    policy = _policy(n_min=0, n_max=8, batch_table=table)
+    kept = decide_batch_table(policy, alphas, {1: CostFit(0.1, 0.1, "fit"), 8: barely}, class_n=3, class_bucket=1)
+    assert n_for_batch(kept, 8, 3) == 0
+    # ... a measured (fitted) cost with the same prediction is, and so is a borrowed 1.5x.
+    fitted = CostFit(0.14, 0.68, "fit", {0: 0.14})
+    on = decide_batch_table(policy, alphas, {1: CostFit(0.1, 0.1, "fit"), 8: fitted}, class_n=3, class_bucket=1)
+    assert n_for_batch(on, 8, 3) > 0
+    cheap = CostFit(0.14, 0.1, "bucket 1 + plain-step slope", {0: 0.14})
+    on = decide_batch_table(policy, alphas, {1: CostFit(0.1, 0.1, "fit"), 8: cheap}, class_n=3, class_bucket=1)
+    assert n_for_batch(on, 8, 3) > 0
+
+
+def test_the_busiest_bucket_runs_plain_where_the_class_n_does_not_pay_there():
+    from spectune.engine.schema import n_for_batch
+    from spectune.tuner.decide import decide_batch_table
+    from spectune.tuner.goodput import CostFit
+
+    costs = {1: CostFit(0.1, 0.1, "fit", {0: 0.1}), 8: CostFit(0.14, 1.5, "fit", {0: 0.14, 3: 0.77})}
+    table = decide_batch_table(_policy(n_min=0, n_max=8), [0.7] * 8, costs, class_n=3, class_bucket=8)
+    assert n_for_batch(table, 8, 3) == 0 and n_for_batch(table, 1, 3) > 0
+
+
 @settings(max_examples=200, deadline=None)
 @given(alpha, st.floats(0.0, 0.5), st.floats(0.0, 2.0))
 def test_batch_table_never_gives_a_dearer_bucket_a_larger_n(a, cheap, extra):
@@ -175,3 +267,68 @@ def test_baseline_names_where_the_plain_step_came_from():
     fitted = baseline(CostFit(0.10, 0.2, "bucket 8", {3: 0.2}), 2)
     assert fitted["kind"] == "extrapolated" and fitted["t0_s"] == 0.10 and "bucket 8" in fitted["note"]
     assert baseline(0.15, None)["kind"] == "prior"
+
+
+def test_prompts_dilute_the_gain_and_the_drafters_prefill_can_turn_it_into_a_loss():
+    from spectune.tuner.goodput import CostFit, PrefillCost, wall_speedup
+
+    # Like the demo pair at batch 8 here: N=1 gains 1.11x over decode steps alone, but prompts take
+    # ~40 % of plain serving's time and the drafter adds ~30 % to every prefill.
+    t0, t1, e = 0.36, 0.36 * 1.35, 1.5
+    assert wall_speedup(e, t0, t1) == pytest.approx(e * t0 / t1)
+    prefill = PrefillCost(batch=8, off=0.03, on=0.039)  # s per generated token; plain: 0.045 s decode
+    wall = wall_speedup(e, t0, t1, prefill)
+    assert wall < 1.0 < wall_speedup(e, t0, t1)
+    # by hand: time per token plain vs speculating
+    assert wall == pytest.approx((t0 / 8 + 0.03) / (t1 / (8 * e) + 0.039))
+    # the same prefill cost on and off only dilutes: between 1 and the decode-step gain
+    same = PrefillCost(batch=8, off=0.03, on=0.03)
+    assert 1.0 < wall_speedup(e, t0, t1, same) < wall_speedup(e, t0, t1)
+    # a side not measured takes the other's; neither measured: no charge
+    assert PrefillCost(8, off=0.03).per_token(True) == 0.03 and PrefillCost(8).per_token(False) == 0.0
+    cost = CostFit(t0, (t1 / t0 - 1), "fit", {0: t0, 1: t1}, prefill)
+    alphas = [e - 1] * 4
+    assert speedup(alphas, 1, cost) == pytest.approx(wall) and speedup(alphas, 0, cost) == 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(1.0, 4.0), st.floats(0.01, 1.0), st.floats(1.0, 3.0), st.floats(1, 64),
+    st.floats(0.0, 0.1), st.floats(0.0, 0.1),
+)  # fmt: skip
+def test_wall_speedup_lies_between_the_prompt_only_and_the_decode_only_ratio(e, t0, ratio, batch, off, on):
+    from spectune.tuner.goodput import PrefillCost, wall_speedup
+
+    wall = wall_speedup(e, t0, t0 * ratio, PrefillCost(batch, off, on))
+    decode_only = e / ratio
+    prompts_only = off / on if on > 0 else (1.0 if off == 0 else float("inf"))
+    assert min(decode_only, prompts_only) - 1e-9 <= wall <= max(decode_only, prompts_only) + 1e-9
+
+
+def test_demoted_requests_dilute_what_a_step_at_n_yields():
+    from spectune.tuner.goodput import CostFit, expected_tokens, measured_speedups, speedup
+
+    alphas = [0.8, 0.7, 0.6]
+    every = CostFit(0.10, 0.2, "fit", {0: 0.10, 1: 0.12, 3: 0.16})
+    few = CostFit(0.10, 0.2, "fit", {0: 0.10, 1: 0.12, 3: 0.16}, drafting_share={1: 0.25})
+    assert speedup(alphas, 1, every) == pytest.approx(expected_tokens(alphas, 1) * 0.10 / 0.12)
+    assert speedup(alphas, 1, few) == pytest.approx((1 + 0.25 * 0.8) * 0.10 / 0.12)  # 1.0x, not 1.5x
+    # N=3 takes N=1's share (the nearest measured): a longer draft for the same few requests costs more
+    assert speedup(alphas, 3, few) == pytest.approx((1 + 0.25 * (expected_tokens(alphas, 3) - 1)) * 0.10 / 0.16)
+    assert speedup(alphas, 3, few) < speedup(alphas, 1, few) < 1.01
+    # Realised from measured tokens/s: plain 8 tokens a step in 0.1 s, N=1 9.6 tokens in 0.12 s
+    served = {8: {0: (800, 10.0, 100), 1: (960, 12.0, 100), 2: (100, 1.0, 5)}}
+    assert measured_speedups(served, served) == {8: {1: pytest.approx(1.0)}}  # N=2: too few steps
+
+
+def test_an_unmeasured_n_is_explored_only_where_the_model_says_it_beats_plain():
+    from spectune.tuner.goodput import CostFit
+
+    def at_n1(cost_ratio: float):
+        fit = CostFit(1.0, cost_ratio, "fit", measured={0: 1.0, 1: 1.35})
+        return choose_n([0.6] * 4, fit, current=1, n_min=1, n_max=2, explore_margin=1.0)
+
+    cheap = at_n1(0.4)  # N=2: 1.96 tokens for 1.8x the step: 1.09x, worth one interval's look
+    assert cheap.explore and cheap.n == 2 and cheap.predicted_speedup > 1
+    dear = at_n1(0.7)  # N=2: 0.82x; trying it would switch its batches to plain for an interval
+    assert not dear.explore and dear.n == 1

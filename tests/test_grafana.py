@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import yaml
-from fake_grafana import FakeGrafana, FakeGrafanaServer
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.alerting import Rule
 from grafana_foundation_sdk.models.dashboard import Dashboard
@@ -18,6 +17,7 @@ from grafana_foundation_sdk.models.dashboard import Dashboard
 from spectune.dashboards.grafana import build
 
 from conftest import free_port
+from fake_grafana import FakeGrafana, FakeGrafanaServer
 
 TOKEN = "glsa_test_token"
 WEBHOOK = "http://spectune.test:8000/api/v1/alerts/alertmanager"

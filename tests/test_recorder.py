@@ -22,6 +22,7 @@ from spectune.store.recorder import Recorder
 from spectune.store.steps import StepAggregator, batch_bucket
 
 from records import make_records
+from servers import wait_for
 
 
 def _rows(url: str) -> list[RequestRecordRow]:
@@ -74,10 +75,9 @@ def test_postgres_outage_loses_nothing(pg_server, tmp_path):
 
     feeder = threading.Thread(target=feed)
     feeder.start()
-    time.sleep(0.8)
+    wait_for(lambda: recorder.stats.shipped > 0, 120, "a record reaching the database before the outage", poll=0.05)
     pg_server.stop()
-    time.sleep(1.5)
-    assert not recorder.stats.db_up  # the outage was seen
+    wait_for(lambda: not recorder.stats.db_up, 120, "the recorder seeing the outage", poll=0.05)
     pg_server.start()
     feeder.join()
     recorder.close(timeout=30)
@@ -109,8 +109,7 @@ def test_kill_9_then_restart_replays_the_spool(tmp_path, db_reachable):
     script = CHILD.format(tests=os.path.dirname(__file__), url=child_url, spool=spool)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "SUBMITTED"
-    time.sleep(1.0)  # the promise: on disk within 1 s of finishing
-    proc.send_signal(signal.SIGKILL)
+    proc.send_signal(signal.SIGKILL)  # at once: submit() has handed every record to the OS
     proc.wait()
     recorder = Recorder(make_engine(url), spool)
     recorder.close(timeout=30)
@@ -137,20 +136,82 @@ def test_step_aggregation():
                 accepted_per_position=[3, 2, 1],
             )
         )
-    # a step that also prefills (verifying nothing, N=0) is not a decode step: left out
+    # a step that also prefills is not a decode step: counted apart, under the N of the last decode
+    # step (it verified nothing, so it would pass for N=0 with speculation on)
     prefill = StepRecord(instance_id="i", time=t0 + 11, batch_size=3, num_prefill_requests=1, num_decode_requests=2,
                          num_scheduled_tokens=200, step_time_s=0.5, num_speculative_tokens=0)  # fmt: skip
     agg.add(prefill)
-    # nor is a step where only one of three requests verified drafts (a probe): it flatters N
+    # an instance with no decode step yet: its prefill counts as off
+    agg.add(prefill.model_copy(update={"instance_id": "j", "batch_size": 1, "num_decode_requests": 0}))
+    # a step where only one of three requests verified drafts (the others demoted) counts at its N:
+    # the drafter ran over all three
     partial = prefill.model_copy(update={"num_prefill_requests": 0, "num_decode_requests": 3, "num_drafts": 1,
-                                          "num_speculative_tokens": 3, "step_time_s": 0.011})  # fmt: skip
+                                          "num_speculative_tokens": 3, "step_time_s": 0.011,
+                                          "num_accepted_tokens": 1})  # fmt: skip
     agg.add(partial)
     assert agg.flush(now=t0 + 30) == []  # minute still open
-    (row,) = agg.flush(now=t0 + 61)
-    assert (row["batch_bucket"], row["steps"], row["num_accepted_tokens"]) == (4, 10, 60)
+    row, other = sorted(agg.flush(now=t0 + 61), key=lambda r: r["instance_id"])
+    assert (row["batch_bucket"], row["steps"], row["num_accepted_tokens"]) == (4, 11, 61)
+    assert (row["num_speculative_tokens"], row["prefill_steps"], row["prefill_time_sum_s"]) == (3, 1, 0.5)
+    assert row["prefill_generated_tokens"] == 2  # the two decoding requests' tokens
+    off = (other["num_speculative_tokens"], other["batch_bucket"], other["steps"], other["prefill_steps"])
+    assert off == (0, 1, 0, 1)
     assert row["step_time_p50_s"] == pytest.approx(0.05) and row["step_time_p95_s"] == pytest.approx(0.10)
     assert row["accepted_per_position"] == [30, 20, 10]
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def _decode_step(t: float, step_time_s: float = 0.02) -> StepRecord:
+    return StepRecord(instance_id="i", time=t, batch_size=2, num_prefill_requests=0, num_decode_requests=2,
+                      num_scheduled_tokens=8, step_time_s=step_time_s, num_speculative_tokens=3,
+                      num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[2, 1, 1])  # fmt: skip
+
+
+def test_open_minute_snapshots_carry_running_totals_once_per_change():
+    agg = StepAggregator()
+    t0 = 1_800_000_000.0
+    agg.add(_decode_step(t0 + 1))
+    (first,) = agg.flush(now=t0 + 2, snapshot_open=True)
+    assert first["steps"] == 1
+    assert agg.flush(now=t0 + 3, snapshot_open=True) == []  # nothing new: no row
+    agg.add(_decode_step(t0 + 4, 0.04))
+    (second,) = agg.flush(now=t0 + 5, snapshot_open=True)
+    assert (second["steps"], second["step_time_sum_s"], second["num_accepted_tokens"]) == (2, pytest.approx(0.06), 8)
+    assert agg.flush(now=t0 + 61) == []  # closed with no steps after its last snapshot: already final
+    agg.add(_decode_step(t0 + 62))
+    agg.add(_decode_step(t0 + 63))
+    assert agg.flush(now=t0 + 64) == []  # no snapshot asked for, minute open
+    (closed,) = agg.flush(now=t0 + 121)
+    assert closed["steps"] == 2 and closed["minute"] == t0 + 60
+
+
+def test_the_tuner_sees_the_open_minute_and_newer_totals_replace_older(db_url, tmp_path):
+    from spectune.store.db import upsert_step_stats
+
+    upgrade(db_url)
+    db = make_engine(db_url)
+    recorder = Recorder(db, tmp_path / "spool", step_snapshot_interval=0.2)
+    now = time.time()
+    if now % 60 > 50:  # keep both steps inside one open minute
+        time.sleep(61 - now % 60)
+        now = time.time()
+
+    def stored_steps() -> int:
+        with db.connect() as conn:
+            return conn.execute(select(StepStat.steps)).scalar() or 0
+
+    recorder.submit_step(_decode_step(now))
+    wait_for(lambda: stored_steps() == 1, 120, "step stats reaching 1 step", poll=0.05)
+    recorder.submit_step(_decode_step(now + 1))
+    wait_for(lambda: stored_steps() == 2, 120, "step stats reaching 2 steps", poll=0.05)
+    with db.connect() as conn:
+        (row,) = conn.execute(select(StepStat.__table__)).mappings().all()
+    stale = {**row, "steps": 1, "step_time_sum_s": 0.02}
+    with db.begin() as conn:  # a replayed older snapshot (a spool replay after a restart) changes nothing
+        upsert_step_stats(conn, [stale])
+        upsert_step_stats(conn, [stale, {**row, "steps": 3}, stale])  # one statement, one key: the newest wins
+    assert stored_steps() == 3
+    assert recorder.close()
 
 
 def test_step_stats_reach_the_database(tmp_path):

@@ -4,41 +4,28 @@ it polls with If-None-Match and applies changes within its poll interval."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest_asyncio
-import uvicorn
 
-from spectune.api.auth import Role, TokenSpec
-from spectune.app import create_app
 from spectune.control import PolicyFollower
-from spectune.store.db import make_engine, upgrade
 
-from conftest import free_port, running_engine, tiny_config
+from conftest import control_plane_on_loopback, running_engine, tiny_config
 
 OPERATOR = {"Authorization": "Bearer op"}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def control_plane(tmp_path_factory):
-    url = f"sqlite:///{tmp_path_factory.mktemp('cp')}/cp.db"
-    upgrade(url)
-    app = create_app(None, make_engine(url), {"op": TokenSpec(token="op", role=Role.OPERATOR)})
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        await asyncio.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    async with control_plane_on_loopback(f"sqlite:///{tmp_path_factory.mktemp('cp')}/cp.db") as base:
+        yield base
 
 
 async def test_remote_engine_follows_policy(control_plane, tiny):
     async with running_engine(tiny_config(tiny, draft="copy", n=4)) as (engine, _):
+        heard = []  # what a listener (the heartbeat) reads from the engine when told of a change
+        engine.settings_listeners.append(lambda settings, _: heard.append((settings.version, engine.settings.version)))
         follower = PolicyFollower(engine, control_plane, "op", interval=0.2)
         assert await follower.poll_once() is True  # first poll applies version 1
         assert await follower.poll_once() is False  # 304: nothing changed
@@ -56,3 +43,4 @@ async def test_remote_engine_follows_policy(control_plane, tiny):
         print(f"\nremote engine applied the change {(time.perf_counter() - t0) * 1000:.0f} ms after the PATCH")
         assert engine.settings.n_for("qa", 1, engine.capacity) == 1
         await follower.stop()
+    assert heard == [(1, 1), (2, 2)]  # the engine already holds what listeners are told of

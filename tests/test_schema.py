@@ -30,6 +30,10 @@ def test_n_for_precedence_and_clamp():
     assert s.n_for("qa", 1, capacity=8) == 2  # class N, empty class table
     assert s.n_for("long", 1, capacity=8) == 0  # class switched off
     assert RuntimeSettings(speculation_enabled=False).n_for("x", 1, 8) == 0
+    # A probe ignores on/off, not the table: a batch the table keeps plain stays plain.
+    assert s.n_for("long", 1, capacity=8, probing=True) == 5
+    assert s.n_for("long", 32, capacity=8, probing=True) == 0
+    assert s.n_for("other", 32, capacity=8, probing=True) == 0
 
 
 @pytest.mark.parametrize(

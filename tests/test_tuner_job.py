@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from spectune.engine.schema import BatchRange
 from spectune.store.db import insert_records, make_engine, upgrade
 from spectune.store.policies import PolicyRepository
 from spectune.tuner.job import Tuner
@@ -88,9 +90,29 @@ def _good_records(n: int, at: float, prefix: str):
     return _qa_records(n, [10, 10, 10], [9, 8, 7], at, prefix)
 
 
-def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200):
+def _accepted_per_step(n: int) -> float:
+    """Tokens a decode step at N accepts per request with ``_good_records``' acceptance (0.9, 8/9, 7/8,
+    then 7/8 again): the steps then yield what the records' acceptance predicts."""
+    alphas = [0.9, 8 / 9, 7 / 8]
+    total, reach = 0.0, 1.0
+    for j in range(n):
+        reach *= alphas[min(j, len(alphas) - 1)]
+        total += reach
+    return total
+
+
+def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200, prefill=None):
+    """Step rows; ``prefill`` {(bucket, N): (steps that also prefilled, u)} gives them the prefill time
+    that makes what prompts cost on top u seconds per generated token.  Decode steps accept what
+    ``_good_records`` predicts."""
     from spectune.store.db import insert_ignoring_duplicates, utc
     from spectune.store.models import StepStat
+
+    def prefill_columns(b: int, n: int, t: float) -> dict:
+        p_steps, u = (prefill or {}).get((b, n), (0, 0.0))
+        generated = b * steps + round(b * steps * _accepted_per_step(n)) + b * p_steps
+        return dict(prefill_steps=p_steps, prefill_time_sum_s=u * generated + p_steps * t,
+                    prefill_generated_tokens=b * p_steps)  # fmt: skip
 
     rows = [
         dict(
@@ -106,8 +128,9 @@ def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200
             batch_size_sum=b * steps,
             scheduled_tokens=b * (n + 1) * steps,
             num_draft_tokens=b * n * steps,
-            num_accepted_tokens=0,
+            num_accepted_tokens=round(b * steps * _accepted_per_step(n)),
             accepted_per_position=[],
+            **prefill_columns(b, n, t),
         )
         for b, per in per_bucket.items()
         for n, t in per.items()
@@ -115,7 +138,8 @@ def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200
     insert_ignoring_duplicates(db, StepStat.__table__, rows)
 
 
-def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
+def _clocked_tuner(tmp_path, interval: timedelta, changes: list | None = None, **policy):
+    """A tuner on a fresh SQLite store and a hand-moved clock (``now[0]``), cooldown 0."""
     from datetime import UTC, datetime
 
     url = f"sqlite:///{tmp_path}/t.db"
@@ -123,20 +147,27 @@ def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
     db = make_engine(url)
     now = [datetime(2026, 1, 1, 12, tzinfo=UTC).timestamp()]
     clock = lambda: datetime.fromtimestamp(now[0], UTC)  # noqa: E731
+    on_change = changes.append if changes is not None else (lambda _: None)
+    tuner = Tuner(db, {"qa"}, on_change, interval=interval, clock=clock)
+    PolicyRepository(db, clock=clock).ensure(PolicyDocument(global_=Policy(cooldown_s=0, **policy)).body(), "test")
+    return db, tuner, now
+
+
+def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
     changes = []
-    tuner = Tuner(db, {"qa"}, changes.append, interval=timedelta(minutes=1), clock=clock)
-    PolicyRepository(db, clock=clock).ensure(
-        PolicyDocument(global_=Policy(cooldown_s=0, n_min=0, n_max=6)).body(), "test"
-    )
-    # Batch 1 is cheap to verify (fitted from N=0 and N=3); batch 8 has been seen at N=3 only.
-    _steps(db, now[0] - 120, {1: {0: 0.10, 3: 0.13}, 8: {3: 0.80}})
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), changes, n_min=0, n_max=6)
+    # Batch 1 is cheap to verify (fitted from N=0 and N=3) and carries the load; batch 8 has been
+    # seen at N=3 only.
+    _steps(db, now[0] - 120, {1: {0: 0.10, 3: 0.13}}, steps=2000)
+    _steps(db, now[0] - 120, {8: {3: 0.80}})
     insert_records(db, _good_records(20, now[0] - 30, "a"))
     (first,) = tuner.run_once()
     assert first["applied"] and first["inputs"]["cost_probes"] == [8]
     assert {"min_batch": 5, "max_batch": 8, "num_speculative_tokens": 0} in first["inputs"]["batch_table"]  # probe only
     # The probe measures batch 8 at N=0: N=3 costs 4x there, so batch 8 stays off; batch 1 goes up.
     now[0] += 60
-    _steps(db, now[0] - 60, {1: {first["n_after"]: 0.10 + 0.01 * first["n_after"]}, 8: {0: 0.20}})
+    _steps(db, now[0] - 60, {1: {first["n_after"]: 0.10 + 0.01 * first["n_after"]}}, steps=2000)
+    _steps(db, now[0] - 60, {8: {0: 0.20}})
     insert_records(db, _good_records(20, now[0] - 10, "b"))
     (second,) = tuner.run_once()
     costs = second["inputs"]["costs"]
@@ -154,3 +185,212 @@ def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
     with db.connect() as conn:
         realised = dict(conn.execute(select(TunerDecision.id, TunerDecision.realised_speedup)).all())
     assert realised[1] is not None and realised[1] > 1.0
+
+
+@pytest.mark.parametrize("prompts_measured", [False, True])
+def test_what_prompts_cost_with_the_drafter_can_make_plain_pay(tmp_path, prompts_measured):
+    from spectune.engine.schema import n_for_batch
+    from spectune.store.tuner_inputs import prefill_costs
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), n_min=0, n_max=4)
+    # Batch 8, fitted: decode steps alone say N=2 gains ~1.6x; but prompts cost 0.03 s per generated
+    # token plain and 0.06 s with the drafter prefilling too (this CPU at batch 8 is like that).
+    prefill = {(8, 0): (20, 0.03), (8, 1): (10, 0.06), (8, 2): (10, 0.06)} if prompts_measured else None
+    _steps(db, now[0] - 120, {8: {0: 0.20, 1: 0.26, 2: 0.32}}, prefill=prefill)
+    insert_records(db, _good_records(20, now[0] - 30, "a"))
+    measured = prefill_costs(db, datetime.fromtimestamp(now[0] - 3600, UTC))
+    if prompts_measured:
+        assert measured[8]["batch"] == 8 and measured[8]["off"] == pytest.approx(0.03)
+        assert measured[8]["on"] == pytest.approx(0.06)  # N > 0 pooled
+    else:
+        assert measured[8]["off"] is None and measured[8]["on"] is None
+    (decision,) = tuner.run_once()
+    cost = decision["inputs"]["costs"]["8"]
+    n_at_8 = n_for_batch([BatchRange(**e) for e in decision["inputs"]["batch_table"]], 8, decision["n_after"])
+    if prompts_measured:
+        assert cost["prefill_s_per_token"]["off"] == pytest.approx(0.03)
+        # off: the model's speedup of the N it had is below 1 once prompts are counted
+        assert decision["action"] == "off" and n_at_8 == 0 and decision["predicted_speedup"] < 1.0, decision
+    else:
+        assert cost["prefill_s_per_token"] == {"batch": 8.0, "off": None, "on": None}
+        assert n_at_8 > 0 and decision["predicted_speedup"] > 1.4, decision
+
+
+def test_a_bucket_without_plain_steps_is_probed_before_any_speedup_is_claimed(tmp_path):
+    from sqlalchemy import select
+
+    from spectune.store.models import TunerDecision
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1))
+    # Batch 1 measured at N=1..3 (a fit), never at N=0: its t0 would be the fit's intercept.
+    _steps(db, now[0] - 120, {1: {1: 0.13, 2: 0.16, 3: 0.19}})
+    insert_records(db, _good_records(20, now[0] - 30, "a"))
+    (first,) = tuner.run_once()
+    assert first["action"] == "cost_probe" and first["inputs"]["cost_probes"] == [1] and first["n_after"] == 0
+    assert first["inputs"]["baseline"]["kind"] == "extrapolated"
+    # Speculative steps and records follow every decision, still no plain steps: no decision is closed
+    # against the model's t0.
+    for prefix in "bc":
+        now[0] += 60
+        (decision,) = tuner.run_once()
+        _steps(db, now[0] + 10, {1: {max(1, decision["n_after"]): 0.19}})
+        insert_records(db, _good_records(20, now[0] + 20, prefix))
+    now[0] += 60
+    tuner.run_once()
+    with db.connect() as conn:
+        assert conn.execute(select(TunerDecision.realised_speedup)).scalars().all() == [None] * 4
+    # Plain steps measured: the decisions after them state a measured baseline.
+    _steps(db, now[0] - 30, {1: {0: 0.09}})
+    insert_records(db, _good_records(20, now[0] - 10, "d"))
+    now[0] += 1
+    (later,) = tuner.run_once()
+    assert later["inputs"]["baseline"]["kind"] == "measured_plain_steps" and later["inputs"]["cost_probes"] == []
+
+
+def test_a_bucket_whose_plain_step_is_measured_is_not_probed_to_plain_again(tmp_path):
+    from spectune.engine.schema import n_for_batch
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), n_min=0, n_max=4)
+    # Batch 8 ran plain only (its cost is borrowed from batch 1): running at N there measures what a
+    # probe to N=0 cannot, and a probe would demote every request in flight.
+    _steps(db, now[0] - 120, {1: {0: 0.10, 3: 0.13}, 8: {0: 0.20}})
+    insert_records(db, _good_records(20, now[0] - 30, "a"))
+    (first,) = tuner.run_once()
+    assert first["inputs"]["costs"]["8"]["source"].startswith("bucket 1")
+    assert first["action"] != "cost_probe" and first["inputs"]["cost_probes"] == []
+    table = [BatchRange(**e) for e in first["inputs"]["batch_table"]]
+    assert n_for_batch(table, 8, first["n_after"]) > 0, first
+
+
+def test_a_probe_is_not_repeated_before_its_steps_can_have_landed(tmp_path):
+    from spectune.tuner.job import PROBE_SETTLE
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(seconds=10))
+    _steps(db, now[0] - 120, {1: {1: 0.13, 2: 0.16, 3: 0.19}})
+    insert_records(db, _good_records(20, now[0] - 30, "a"))
+    actions, times = [], []
+    for _ in range(8):  # 80 s of 10 s intervals; no step of the probe ever lands (no traffic at N=0)
+        (decision,) = tuner.run_once()
+        actions.append(decision["action"])
+        times.append(now[0])
+        now[0] += 10
+    probes = [t for t, a in zip(times, actions, strict=True) if a == "cost_probe"]
+    assert probes[0] == times[0] and len(probes) >= 2  # probed, and again once the first could have landed
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert min(gaps) >= (PROBE_SETTLE + tuner.interval).total_seconds()
+
+
+def test_a_run_reads_the_store_a_bounded_number_of_times_however_many_decisions_are_open(tmp_path):
+    """Decisions that cannot be closed (no plain step measured near them) stay open for four windows
+    and are looked at every run; each used to cost seven reads a run (a fleet test's leader, 2 s
+    interval, spent its interval on them)."""
+    from sqlalchemy import event, func, select
+
+    from spectune.store.models import TunerDecision
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(seconds=2))
+    _steps(db, now[0] - 120, {1: {1: 0.13, 2: 0.16, 3: 0.19}})  # never a plain step: nothing closes
+    statements = []
+    event.listen(db, "before_cursor_execute", lambda *args: statements.append(1))
+    per_run = []
+    for i in range(60):
+        insert_records(db, _good_records(5, now[0] - 1, f"r{i}-"))
+        statements.clear()
+        tuner.run_once()
+        per_run.append(len(statements))
+        now[0] += 2
+    with db.connect() as conn:
+        still_open = conn.execute(
+            select(func.count()).where(TunerDecision.realised_speedup.is_(None), TunerDecision.n_after > 0)
+        ).scalar()
+    assert still_open >= 30, still_open
+    assert max(per_run[-10:]) <= max(per_run[:10]), per_run  # not growing with the open decisions
+
+
+def test_a_bucket_where_most_requests_no_longer_draft_runs_plain(tmp_path):
+    """Bucket 8's steps at N=1 ran with one request in eight drafting (the rest demoted: the drafter
+    runs over the batch, few verify). Counting every request as drafting, the model says N=1 pays
+    there (1.9 tokens a step for 1.2x the time); with the measured share it does not, and bucket 8
+    runs plain while batch 1 speculates."""
+    from spectune.engine.schema import n_for_batch
+    from spectune.store.db import insert_ignoring_duplicates, utc
+    from spectune.store.models import StepStat
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), n_min=0, n_max=3)
+    _steps(db, now[0] - 120, {1: {0: 0.10, 1: 0.11, 2: 0.12}}, steps=2000)  # batch 1 carries the load
+    _steps(db, now[0] - 120, {8: {0: 0.20}})
+    rows = [dict(instance_id="i", minute=utc(now[0] - 60), batch_bucket=8, num_speculative_tokens=1, writer="w",
+                 steps=200, step_time_sum_s=0.24 * 200, step_time_p50_s=0.24, step_time_p95_s=0.24,
+                 batch_size_sum=8 * 200, scheduled_tokens=9 * 200, num_draft_tokens=200,
+                 num_accepted_tokens=180, accepted_per_position=[])]  # fmt: skip
+    insert_ignoring_duplicates(db, StepStat.__table__, rows)
+    insert_records(db, _good_records(20, now[0] - 30, "a"))
+    (decision,) = tuner.run_once()
+    cost = decision["inputs"]["costs"]["8"]
+    assert cost["drafting_share"] == {"1": pytest.approx(1 / 8)}, cost
+    table = [BatchRange(**e) for e in decision["inputs"]["batch_table"]]
+    assert n_for_batch(table, 8, decision["n_after"]) == 0, decision["inputs"]
+    assert n_for_batch(table, 1, decision["n_after"]) > 0
+
+
+def test_another_drafts_acceptance_does_not_decide_after_a_draft_change(setup):
+    """A class off under a bad draft: after the policy swaps the draft, the hour of history the tuner
+    falls back on (too few drafts in the window) holds only the new draft's probes."""
+    db, tuner, _changes, _ = setup
+    repo = PolicyRepository(db)
+    doc = PolicyDocument(global_=Policy(tuner_mode="auto", cooldown_s=0.0, draft_model="/drafts/bad")).body()
+    doc["classes"] = {"qa": {"speculation_enabled": False}}
+    repo.ensure(doc, "test")
+    insert_records(db, _qa_records(200, [3, 3, 3], [0, 0, 0], at=time.time() - 600))  # the bad draft, 10 min ago
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["inputs"]["acceptance"] == 0.0  # the last hour's history stands in for the window
+    swapped = {**doc, "global": {**doc["global"], "draft_model": "/drafts/good"}}
+    repo.write(swapped, repo.current().version, "operator", "new draft", "replace")
+    insert_records(db, _qa_records(5, [3, 3, 3], [3, 3, 3]))  # 15 first-position trials: too few
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "keep" and qa["inputs"]["acceptance"] is None, qa["inputs"]["reason"]
+    assert qa["inputs"]["drafted_per_position"] == [15, 15, 15]  # not the old draft's 600
+    insert_records(db, _qa_records(10, [3, 3, 3], [3, 3, 3]))
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "on" and qa["applied"] and qa["inputs"]["acceptance"] == 1.0
+
+
+def test_an_off_class_whose_table_keeps_its_busiest_bucket_plain_is_probed_there_after_a_draft_change(tmp_path):
+    """The lock-out seen in the tuner engine test: under a bad draft the table got N = 0 at the busiest
+    bucket, then the class went off.  Probes obey the table, so after the swap to a good draft they
+    drafted nothing ("too little data" for ever).  With nothing of the draft in force measured, the
+    tuner opens that bucket to probes (no cooldown: a measurement), and their drafts bring it back."""
+    from spectune.engine.schema import RuntimeSettings
+    from spectune.tuner.policy import runtime_settings
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), draft_model="/drafts/good")
+    repo = PolicyRepository(db, clock=tuner.clock)
+    doc = repo.current().body
+    doc["global"]["cooldown_s"] = 300.0  # a reprobe must not start one
+    doc["classes"] = {
+        "qa": {
+            "speculation_enabled": False,
+            "batch_table": [BatchRange(min_batch=3, max_batch=4096, num_speculative_tokens=0).model_dump()],
+        }
+    }
+    repo.write(doc, repo.current().version, "tuner", "off under the bad draft", "replace")
+    _steps(db, now[0] - 60, {4: {0: 0.10}})  # the traffic runs at batch 3-4, plain
+
+    def settings() -> RuntimeSettings:
+        current = repo.current()
+        return runtime_settings(PolicyDocument.model_validate(current.body), "i", {"qa"}, current.version)
+
+    assert settings().n_for("qa", 4, capacity=6, probing=True) == 0  # locked out: probes draft nothing
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "reprobe" and qa["applied"], qa["inputs"]["reason"]
+    assert settings().n_for("qa", 4, capacity=6, probing=True) == 3  # probes draft at the busiest bucket
+    assert settings().n_for("qa", 4, capacity=6) == 0  # the class itself stays off
+    assert settings().n_for("qa", 16, capacity=6, probing=True) == 0  # other zeros stand
+    now[0] += 60
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "keep"  # opened once, not again
+    insert_records(db, _qa_records(20, [3, 3, 3], [3, 3, 3], at=now[0] - 1))  # the probes' drafts
+    _steps(db, now[0] - 30, {4: {3: 0.12}})
+    now[0] += 60
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "on" and qa["applied"], qa["inputs"]["reason"]  # no cooldown after the reprobe

@@ -31,6 +31,24 @@ def test_changed_propose_signature_is_refused(monkeypatch):
         drafter.check_supported()
 
 
+def test_a_changed_suffix_or_ngram_propose_is_refused(monkeypatch):
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    def propose(self, input_batch, sampled_token_ids):  # K no longer first
+        raise AssertionError("never called")
+
+    checks = (
+        (SuffixDecodingProposer, "suffix proposer", drafter._check_suffix),
+        (NgramProposer, "free off state", drafter._check_ngram),
+    )
+    for cls, what, check in checks:
+        assert check() is cls  # the pinned vLLM passes
+        monkeypatch.setattr(cls, "propose", propose)
+        with pytest.raises(drafter.UnsupportedVllmError, match=f"{what}: .*not the signature"):
+            check()
+
+
 def test_install_skips_the_forward_only_at_k0(monkeypatch):
     calls = []
 
@@ -114,3 +132,20 @@ def test_step_statistics_fields_are_checked_at_start(monkeypatch):
     monkeypatch.setattr(stats, "FIELDS_READ", changed)
     with pytest.raises(drafter.UnsupportedVllmError, match=r"SpecDecodingStats\.num_drafted"):
         stats.check_supported()
+
+
+def test_every_process_decides_the_vector_isa_alike(monkeypatch):
+    """A probe that fails under load in one process must not make it build another's vector code
+    without the ISA's flags (engine/vllm_fixes.py): the probe is skipped unless the env var is set."""
+    from torch._inductor import config
+
+    from spectune.engine import vllm_fixes
+
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    monkeypatch.delenv(vllm_fixes.VEC_ISA_ENV, raising=False)
+    vllm_fixes.register()
+    assert config.cpp.vec_isa_ok is True
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    monkeypatch.setenv(vllm_fixes.VEC_ISA_ENV, "0")
+    vllm_fixes.register()
+    assert config.cpp.vec_isa_ok is None  # the operator's choice, which torch read at import

@@ -17,11 +17,11 @@ from typing import Literal
 
 from spectune.engine.schema import BatchRange, n_for_batch
 
-from .goodput import MIN_TRIALS, CostFit, bucket_sizes, choose_n, position_acceptance, speedup
+from .goodput import MIN_TRIALS, CostFit, bucket_sizes, choose_n, position_acceptance, speedup, stay_margin
 from .policy import MAX_BATCH, Policy, overlay
 
-# explore and cost_probe are one-interval measurements: they do not start a cooldown.
-Action = Literal["keep", "set_n", "explore", "off", "on", "set_table", "cost_probe"]
+# explore, cost_probe and reprobe are measurements: they do not start a cooldown.
+Action = Literal["keep", "set_n", "explore", "off", "on", "set_table", "cost_probe", "reprobe"]
 MIN_DRAFTS = MIN_TRIALS  # below this many first-position trials the prior dominates: decide nothing
 
 
@@ -104,6 +104,20 @@ def decide_class(
     return ClassDecision("keep", True, current, here, rate, False, choice.reason)
 
 
+def open_for_probes(policy: Policy, bucket: int) -> list[BatchRange]:
+    """An off class's table with ``bucket`` at the class N, for when nothing of the draft in force
+    is measured.  Its probes obey the table (at 8 concurrent one probe makes the drafter run over the
+    whole batch), so an N = 0 there, decided while another draft was in force (it did not pay at
+    the busiest bucket, then the class went off), would keep every probe plain and the class off
+    for good.  Entries equal to the class N are dropped, as ``decide_batch_table`` does."""
+    n = policy.num_speculative_tokens
+    if n == 0:
+        return policy.batch_table  # probes at N = 0 measure nothing wherever they run
+    lo, hi = bucket_sizes(bucket)
+    table = overlay([BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=n)], policy.batch_table)
+    return [e for e in table if e.num_speculative_tokens != n]
+
+
 def decide_batch_table(
     policy: Policy,
     alphas: list[float],
@@ -111,32 +125,44 @@ def decide_batch_table(
     class_n: int,
     cost_probes: set[int] = frozenset(),
     class_bucket: int | None = None,
+    on_margin: float = 0.1,
 ) -> list[BatchRange]:
     """N per batch bucket from the goodput model, as a batch-size table.
 
     Buckets with a cost model (fitted or borrowed) get the goodput argmax,
     with hysteresis against what runs there now; buckets on the prior alone
-    keep their entry; ``cost_probes`` run at N=0 for one interval.  Entries
-    equal to the class N are dropped; a top bucket at N=0 extends to every
-    larger batch (verification only gets dearer with batch size).
-    ``class_bucket`` (the busiest) runs the class N, decided by ``decide_class``.
+    keep their entry; ``cost_probes`` run at N=0 for one interval.  A bucket
+    that runs plain goes back on from a borrowed cost model only for a
+    predicted gain of ``on_margin`` (off costs nothing; a borrowed model
+    guesses).  ``class_bucket`` (the busiest) runs the class N, decided by
+    ``decide_class``, where that pays (once on: by the stay margin), else plain.  Entries equal to the class
+    N are dropped.  Batches above every measured bucket run plain until their
+    steps are measured (verification only gets dearer with batch size, and the
+    plain steps there are what the model needs); so does every batch above a
+    top bucket at N=0.
     """
     current = policy.batch_table
     decided: dict[int, int] = {}
     for bucket, cost in costs.items():
         here = n_for_batch(current, bucket, class_n)
+        gain = policy.min_gain if here > 0 or cost.source == "fit" else max(policy.min_gain, on_margin)
         if bucket in cost_probes:
             decided[bucket] = 0
         elif bucket == class_bucket:
-            decided[bucket] = class_n
+            keep_above = 1 + (stay_margin(policy.min_gain) if here > 0 else gain)
+            decided[bucket] = class_n if speedup(alphas, class_n, cost) >= keep_above else 0
         elif cost.source != "prior":
-            decided[bucket] = choose_n(alphas, cost, here, policy.n_min, policy.n_max, min_gain=policy.min_gain).n
-    top = max(decided, default=None)
+            decided[bucket] = choose_n(alphas, cost, here, policy.n_min, policy.n_max, min_gain=gain).n
     new: list[BatchRange] = []
     for bucket, n in decided.items():
         lo, hi = bucket_sizes(bucket)
-        if bucket == top and n == 0 and bucket not in cost_probes:
-            hi = MAX_BATCH
         new.append(BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=n))
+    top = max(costs, default=None)
+    if top is not None and bucket_sizes(top)[1] < MAX_BATCH:
+        if decided.get(top) == 0 and top not in cost_probes:
+            new = [e for e in new if e.min_batch != bucket_sizes(top)[0]]
+            new.append(BatchRange(min_batch=bucket_sizes(top)[0], max_batch=MAX_BATCH, num_speculative_tokens=0))
+        else:
+            new.append(BatchRange(min_batch=bucket_sizes(top)[1] + 1, max_batch=MAX_BATCH, num_speculative_tokens=0))
     table = overlay(new, current)
     return [e for e in table if e.num_speculative_tokens != class_n]

@@ -37,6 +37,43 @@ class DiagnosisInput:
     max_new_tokens: int = 32
     positions: int = 5
     realised_per_position: dict[str, list[float]] = field(default_factory=dict)  # class -> accepted/drafted
+    cpu_share: float = 1.0  # the busy share the diagnosis may take of its core (DutyCycle); 1.0 = unthrottled
+
+
+class DutyCycle:
+    """Keeps a worker's busy share of the wall clock at most ``share``: after each unit of work,
+    ``pause`` sleeps busy * (1 - share) / share.  A low ``nice`` yields a core only to a process that
+    wants that same core; beside an engine whose threads span every core it still takes cores and
+    memory bandwidth, and only idling bounds what it takes."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter, sleep=time.sleep) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"cpu share must be in (0, 1], got {share}")
+        self.share, self.clock, self.sleep = share, clock, sleep
+        self.busy_s = self.idle_s = 0.0
+        self._since = clock()
+
+    def pause(self) -> None:
+        busy = self.clock() - self._since
+        self.busy_s += busy
+        if self.share < 1:
+            idle = busy * (1 - self.share) / self.share
+            self.sleep(idle)
+            self.idle_s += idle
+        self._since = self.clock()
+
+
+class _PacedStreamer:
+    """A ``generate`` streamer that paces decoding: ``put`` is called once per generated token."""
+
+    def __init__(self, pace: DutyCycle) -> None:
+        self.pace = pace
+
+    def put(self, value: Any) -> None:
+        self.pace.pause()
+
+    def end(self) -> None:
+        self.pace.pause()
 
 
 def _entropy_per_layer(attentions: Sequence[Any]) -> list[float]:
@@ -94,14 +131,22 @@ def run_diagnosis(inp: DiagnosisInput, progress: Callable[[int, int], None] | No
     entropy_t: list[list[float]] = []
     entropy_d: list[list[float]] = []
     latency_t, latency_d = [], []
+    pace = DutyCycle(inp.cpu_share)
+    pace.pause()  # loading the models counts as work too
     for index, (prompt_class, prompt) in enumerate(inp.prompts):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             full = target.generate(
-                ids, max_new_tokens=inp.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+                ids,
+                max_new_tokens=inp.max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+                streamer=_PacedStreamer(pace),
             )
             out_t = target(full, output_attentions=True)
+            pace.pause()
             out_d = draft(full, output_attentions=True)
+            pace.pause()
         start = ids.shape[1] - 1  # logits at i predict token i+1
         p = out_t.logits[0, start:-1].float().softmax(-1)
         q = out_d.logits[0, start:-1].float().softmax(-1)
@@ -129,10 +174,11 @@ def run_diagnosis(inp: DiagnosisInput, progress: Callable[[int, int], None] | No
             )
         entropy_t.append(_entropy_per_layer(out_t.attentions))
         entropy_d.append(_entropy_per_layer(out_d.attentions))
-        if index == 0:
+        if index == 0:  # timed unpaced (a pause inside would be measured), paced after
             t_tok, d_tok = latency_ratio(target, draft, ids)
             latency_t.append(t_tok)
             latency_d.append(d_tok)
+        pace.pause()
         if progress:
             progress(index + 1, len(inp.prompts))
     classes = {}
@@ -157,6 +203,7 @@ def run_diagnosis(inp: DiagnosisInput, progress: Callable[[int, int], None] | No
             "target": [sum(col) / len(col) for col in zip(*entropy_t)],
             "draft": [sum(col) / len(col) for col in zip(*entropy_d)],
         },
+        "cpu": {"share": inp.cpu_share, "busy_s": pace.busy_s, "idle_s": pace.idle_s},
         "latency": {
             "target_s_per_token": sum(latency_t) / len(latency_t),
             "draft_s_per_token": sum(latency_d) / len(latency_d),

@@ -12,10 +12,28 @@ requests from swinging a decision.
 Cost: t(batch, N) = t0(batch) * (1 + c(batch) * N) with c the cost of one
 drafted and verified token relative to a plain decode step, fitted per batch
 bucket from step statistics at two or more N.  A bucket seen at one N only
-borrows c from the nearest fitted bucket, else the policy's prior c is used
-(documented fallback); the tuner runs a *cost probe* (one interval at N=0 in
-that bucket) to get the second point.  Stability: move only for a predicted gain >= ``min_gain``; increases at
-most ``max_step`` at a time, decreases straight to the argmax.
+borrows c from the nearest fitted bucket -- scaled by how much one more
+sequence costs a plain step, where plain steps were measured at both -- else
+the policy's prior c is used (documented fallback); the tuner runs a *cost
+probe* (one interval at N=0 in that bucket) to get the second point.
+
+Prompts: steps that also prefill are not decode steps; what they cost on top,
+per generated token, is u (``PrefillCost``: measured apart with speculation
+off and on, since the drafter prefills every speculating request too).  Time
+per generated token at batch b is t(b, N) / (b E(N)) + u(N), so
+
+    speedup(N) = E(N) (t(b, 0) + b u_off) / (t(b, N) + b E(N) u_on)
+
+(``wall_speedup``): the prompts' share dilutes what speculation gains, and the
+drafter's prefill can turn a decode-step gain into a loss (this CPU, batch 8).
+Demoted requests: a request whose draft KV went stale never drafts again but still runs
+through the drafter in every step that speculates; with a share s of the requests in steps at
+N drafting (measured per bucket and N from the steps' draft tokens), E(N) becomes
+1 + s (E(N) - 1) -- at 8 concurrent on this CPU, after load ramps, most were demoted.
+Stability: move only for a predicted gain >= ``min_gain``; increases at most
+``max_step`` at a time, decreases straight to the argmax.  Off is free (the drafter does
+not run), so speculation that no longer beats plain serving by ``stay_margin`` (half of
+``min_gain``) goes off: hysteresis must not keep a break-even guess running.
 """
 
 from __future__ import annotations
@@ -72,6 +90,33 @@ def expected_tokens(alphas: Sequence[float], n: int) -> float:
 
 
 @dataclass(frozen=True)
+class PrefillCost:
+    """What steps that also prefill cost on top of decoding, in seconds per generated token, with
+    speculation off and on (None: not measured), at a bucket whose mean batch size is ``batch``."""
+
+    batch: float
+    off: float | None = None
+    on: float | None = None
+
+    def per_token(self, speculating: bool) -> float:
+        """u for one side; a side not measured takes the other's (no drafter prefill charged)."""
+        first, other = (self.on, self.off) if speculating else (self.off, self.on)
+        return first if first is not None else (other if other is not None else 0.0)
+
+
+def wall_speedup(tokens_per_step: float, t0: float, t_n: float, prefill: PrefillCost | None = None) -> float:
+    """Generated tokens per second relative to plain serving, prompts included.
+
+    ``tokens_per_step`` E, ``t0`` a plain decode step, ``t_n`` a decode step at N; without
+    ``prefill`` this is E * t0 / t_n, the decode steps alone.
+    """
+    if prefill is None:
+        return tokens_per_step * t0 / t_n
+    b = prefill.batch
+    return tokens_per_step * (t0 + b * prefill.per_token(False)) / (t_n + b * tokens_per_step * prefill.per_token(True))
+
+
+@dataclass(frozen=True)
 class CostFit:
     """Step cost at one batch bucket: t(N) = t0_s * (1 + cost_ratio * N).
 
@@ -83,6 +128,17 @@ class CostFit:
     cost_ratio: float
     source: str
     measured: dict[int, float] = field(default_factory=dict)  # mean step time per N seen at this bucket
+    prefill: PrefillCost | None = None  # what prompts cost on top, where steps that prefill were measured
+    # Share of the requests in steps at N that drafted (measured per N at this bucket): requests
+    # demoted for good (their draft KV went stale) still run through the drafter, verify nothing.
+    drafting_share: dict[int, float] = field(default_factory=dict)
+
+    def share(self, n: int) -> float:
+        """The drafting share at N: its own where measured, else the nearest measured N's (ties: the
+        smaller), else 1 (every request drafts)."""
+        if not self.drafting_share or n == 0:
+            return 1.0
+        return self.drafting_share[min(self.drafting_share, key=lambda m: (abs(m - n), m))]
 
     def ratio(self, n: int) -> float:
         """t(N) / t(0): measured where both were measured, else the linear model.
@@ -116,6 +172,30 @@ def baseline(cost: float | CostFit, bucket: int | None) -> dict[str, object]:
             "note": f"no N=0 steps measured at this bucket: t0 from the cost model ({cost.source})"}  # fmt: skip
 
 
+MIN_THROUGHPUT_STEPS = 30  # steps per side for a measured speedup at a bucket
+
+
+def measured_speedups(
+    speculating: dict[int, dict[int, tuple]], plain: dict[int, dict[int, tuple]], min_steps: int = MIN_THROUGHPUT_STEPS
+) -> dict[int, dict[int, float]]:
+    """{bucket: {N: tokens/s at N / tokens/s at N=0}} from (tokens, seconds, steps) per bucket and N:
+    the N > 0 side from ``speculating`` (a decision's span), the plain side from ``plain`` (the last
+    cost window). Only where both sides ran ``min_steps`` steps.  Every step counts, prompts'
+    and demoted requests' included: this is what serving at N delivered.  The bucket's batch sizes
+    (5-8 for bucket 8) may differ a little between the sides."""
+    out: dict[int, dict[int, float]] = {}
+    for bucket, per_n in speculating.items():
+        base = plain.get(bucket, {}).get(0)
+        if base is None or base[2] < min_steps or base[1] <= 0:
+            continue
+        rate0 = base[0] / base[1]
+        ratios = {n: (tok / sec) / rate0 for n, (tok, sec, steps) in per_n.items()
+                  if n > 0 and steps >= min_steps and sec > 0}  # fmt: skip
+        if ratios:
+            out[bucket] = ratios
+    return out
+
+
 def fit_cost(step_times: dict[int, float]) -> tuple[float, float] | None:
     """(t0, c) by least squares over the observed N at one bucket, or None.
 
@@ -140,6 +220,8 @@ def costs_by_bucket(
     prior: float,
     counts: dict[int, dict[int, int]] | None = None,
     min_steps: int = 20,
+    prefill: dict[int, PrefillCost] | None = None,
+    drafting: dict[int, dict[int, float]] | None = None,
 ) -> dict[int, CostFit]:
     """A cost model for every bucket that has steps.
 
@@ -148,7 +230,10 @@ def costs_by_bucket(
 
     A bucket whose steps ran at one N only borrows c from the nearest fitted
     bucket (ties: the larger, since verification gets dearer with batch size),
-    else uses the prior; its t0 then follows from its own observed step time.
+    scaled by the plain steps' per-sequence slope where both buckets have plain
+    steps (``scaled_cost_ratio``), else uses the prior; its t0 then follows
+    from its own observed step time.  ``prefill`` (per bucket) is what prompts cost on top;
+    ``drafting`` (per bucket and N) the share of requests in those steps that drafted.
     """
     fits = {b: fit for b, t in times.items() if (fit := fit_cost(t)) is not None}
     out: dict[int, CostFit] = {}
@@ -157,14 +242,21 @@ def costs_by_bucket(
         seen = (counts or {}).get(bucket, {})
         return {n: t for n, t in times[bucket].items() if counts is None or seen.get(n, 0) >= min_steps}
 
+    plain = {b: m[0] for b in times if 0 in (m := measured(b))}
+    slope = plain_step_slope(plain)
     for bucket, per_n in times.items():
         if bucket in fits:
             t0, c = fits[bucket]
-            out[bucket] = CostFit(t0, c, "fit", measured(bucket))
+            out[bucket] = CostFit(
+                t0, c, "fit", measured(bucket), (prefill or {}).get(bucket), (drafting or {}).get(bucket, {})
+            )
             continue
         if fits:
             near = min(fits, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), -b))
             c, source = fits[near][1], f"bucket {near}"
+            if slope is not None and bucket in plain and near in plain:
+                c = scaled_cost_ratio(c, near, plain[near], bucket, plain[bucket], slope)
+                source += " + plain-step slope"
         else:
             c, source = prior, "prior"
         observed = [(n, t) for n, t in per_n.items() if t > 0]
@@ -172,8 +264,45 @@ def costs_by_bucket(
         if observed:
             n, t = min(observed)
             t0 = t / (1 + c * n)
-        out[bucket] = CostFit(t0, c, source, measured(bucket))
+        out[bucket] = CostFit(
+            t0, c, source, measured(bucket), (prefill or {}).get(bucket), (drafting or {}).get(bucket, {})
+        )
     return out
+
+
+def plain_step_slope(plain: dict[int, float]) -> float | None:
+    """Seconds one more sequence adds to a plain step (least squares of t(b, 0) over the bucket size b).
+
+    Needs plain steps measured at two or more buckets; a negative slope (noise) counts as flat.
+    """
+    if len(plain) < 2:
+        return None
+    mean_b = sum(plain) / len(plain)
+    mean_t = sum(plain.values()) / len(plain)
+    var = sum((b - mean_b) ** 2 for b in plain)
+    return max(0.0, sum((b - mean_b) * (t - mean_t) for b, t in plain.items()) / var)
+
+
+def scaled_cost_ratio(c_ref: float, ref: int, t0_ref: float, bucket: int, t0: float, slope: float) -> float:
+    """c at ``bucket`` from a fitted bucket ``ref`` and the plain steps' per-sequence slope.
+
+    One drafted token per sequence costs the target what one more sequence costs a plain step
+    (``slope``), relative to that bucket's plain step; what the reference's c leaves over that is
+    the drafter's share, taken as batch-independent.  On a compute-bound device (this CPU) the
+    target's share grows with the batch; on a GPU at small batches the slope is near zero and c
+    stays the reference's.  A larger bucket is never cheaper than its reference.
+    """
+    drafter = max(0.0, c_ref - slope * ref / t0_ref)
+    c = drafter + slope * bucket / t0
+    return max(c, c_ref) if bucket > ref else c
+
+
+def busiest_bucket(step_counts: dict[int, dict[int, int]]) -> int | None:
+    """The batch bucket that served the most sequence-steps (steps x bucket size): where the class
+    decides.  A step at batch 8 serves eight requests; counting steps alone, the window's last
+    minutes of batch-1 steps outvoted load that had just arrived (live run, 2026-12-03)."""
+    served = {b: b * sum(per_n.values()) for b, per_n in step_counts.items()}
+    return max(served, key=lambda b: (served[b], b)) if served else None
 
 
 def bucket_sizes(bucket: int) -> tuple[int, int]:
@@ -182,9 +311,21 @@ def bucket_sizes(bucket: int) -> tuple[int, int]:
 
 
 def speedup(alphas: Sequence[float], n: int, cost: float | CostFit) -> float:
-    """E(N) * t(0) / t(N); ``cost`` is a cost ratio c (linear model) or a bucket's ``CostFit``."""
-    ratio = cost.ratio(n) if isinstance(cost, CostFit) else 1.0 + cost * n
-    return expected_tokens(alphas, n) / ratio
+    """Predicted tokens/s at N over plain serving; ``cost`` is a cost ratio c (linear model: decode
+    steps alone, E(N) / (1 + cN)) or a bucket's ``CostFit`` (with its prompts' cost where measured)."""
+    if n == 0:
+        return 1.0
+    if not isinstance(cost, CostFit):
+        return expected_tokens(alphas, n) / (1.0 + cost * n)
+    t0 = cost.measured.get(0, cost.t0_s)
+    prefill = cost.prefill if t0 else None
+    tokens = 1.0 + cost.share(n) * (expected_tokens(alphas, n) - 1.0)
+    return wall_speedup(tokens, t0 or 1.0, (t0 or 1.0) * cost.ratio(n), prefill)
+
+
+def stay_margin(min_gain: float) -> float:
+    """Predicted gain over plain serving that keeps speculation running (switching on needs ``min_gain``)."""
+    return min_gain / 2
 
 
 @dataclass(frozen=True)
@@ -214,7 +355,7 @@ def choose_n(
     candidate; ``n_min``..``n_max`` bound the others.  With a ``CostFit`` and
     ``explore_margin`` > 0, a neighbour of ``current`` whose step time was
     never measured is tried when the model puts it within the margin of
-    ``current`` (the linear cost model is least reliable where it
+    ``current`` and above plain serving (the linear cost model is least reliable where it
     extrapolates; one interval there replaces the guess with a measurement).
     """
     if alphas is None or len(alphas) == 0:
@@ -223,6 +364,9 @@ def choose_n(
     scores = {n: speedup(alphas, n, cost) for n in candidates}
     best = max(candidates, key=lambda n: (round(scores[n], 9), -n))  # ties: the smaller N
     here = scores.get(current, speedup(alphas, current, cost))
+    if current > 0 and max(scores[n] for n in candidates if n > 0) < 1 + stay_margin(min_gain):
+        # Nothing beats plain by the stay margin: the model's error is larger than such a gain.
+        return Decision(0, 1.0, best, scores[best], f"no N beats plain by {stay_margin(min_gain):.1%}: off")
     if scores[best] < here * (1 + min_gain):
         if explore_margin > 0 and isinstance(cost, CostFit) and current > 0 and here > 1:
             unmeasured = [
@@ -232,6 +376,7 @@ def choose_n(
                 and n > 0
                 and (n not in cost.measured or n > len(position_samples) or position_samples[n - 1] < MIN_TRIALS)
                 and scores[n] >= here * (1 - explore_margin)
+                and scores[n] > 1.0  # an N the model puts below plain would switch its batches off
             ]
             if unmeasured:
                 n = max(unmeasured, key=lambda k: scores[k])

@@ -2,7 +2,10 @@
 
 Every ``interval`` it reads acceptance per class (over ``window``, or over the
 last interval when acceptance has visibly shifted) and step times per batch
-bucket and N (over ``cost_window``), decides per class (``decide_class``,
+bucket and N (over ``cost_window``; the hour of acceptance it falls back on
+and the steps that drafted only from when the draft in force came in -- a
+policy change of method or draft model -- since the old draft's say nothing
+about the new one), decides per class (``decide_class``,
 ``decide_batch_table``), records every decision with its inputs, and in
 ``auto`` mode writes the change into the policy (as actor ``tuner``, so it is
 versioned, audited and reversible like an operator's), which propagates to
@@ -11,68 +14,61 @@ changed less than ``cooldown_s`` ago is left alone.  When a class goes off
 for low acceptance, a draft diagnosis is started.
 
 Each run also closes earlier decisions: the *realised* speedup of a decision
-is measured tokens per verify step (records) x t0 / measured step time at the
-N it chose (step statistics), over the span until the class's next decision.
-t0 is a plain step at that bucket: the measured time of N=0 steps (which run
-no draft model) where the cost window has them, else the decision's model t0.
+is ``wall_speedup`` of measured tokens per verify step (records), t0 and the
+measured step time at the N it chose (step statistics), with what prompts
+cost on top where steps that prefilled were measured, over the span until the
+class's next decision.  t0 is a plain step at that bucket: the measured time
+of N=0 steps (which run no draft model); a decision stays open until such
+steps are measured.
 Every decision row states its baseline (``inputs.baseline``).
 
 Decisions are per prompt class across the fleet (records of every instance).
-With several control-plane replicas on PostgreSQL only the holder of an
-advisory lock decides; SQLite means a single process.
+With several control-plane replicas on PostgreSQL only the holder of the
+leader lease decides (``store/leader.py``): it is re-checked every run, and a
+run's policy write and decision rows go in one transaction fenced by the
+lease epoch, so a tuner that lost its lease writes nothing.  Decision rows
+carry the epoch.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, insert
 
 from spectune.engine.schema import n_for_batch
 from spectune.store import tuner_inputs as inputs
+from spectune.store.leader import LeaderLease, StaleLeaderError
 from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
 
-from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class
+from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, open_for_probes
 from .goodput import (
     CostFit,
+    PrefillCost,
     acceptance_shifted,
     baseline,
+    busiest_bucket,
     choose_n,
     costs_by_bucket,
+    measured_speedups,
     position_acceptance,
     speedup,
 )
-from .policy import Policy, PolicyDocument, TunerMode, effective_policy
+from .policy import Policy, PolicyDocument, TunerMode, draft_key, effective_policy
 
 log = logging.getLogger(__name__)
 
-LOCK_KEY = 0x5BEC7E  # pg advisory lock id for the tuner leader
 MIN_COST_PROBE_STEPS = 50  # a bucket with fewer steps in the cost window is not worth probing
-MIN_REALISED_STEPS = 10  # verify steps needed to call a decision's outcome measured
-MIN_PLAIN_STEPS = 20  # N=0 steps at a bucket for its plain step time to count as measured
-
-
-class LeaderLock:
-    def __init__(self, db: Engine) -> None:
-        self.db, self._conn, self.held = db, None, db.dialect.name == "sqlite"
-
-    def acquire(self) -> bool:
-        if self.held:
-            return True
-        try:
-            self._conn = self._conn or self.db.connect()
-            self.held = bool(self._conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar())
-            self._conn.commit()
-        except Exception:  # no leader this round; try again next interval
-            log.exception("tuner leader lock unavailable")
-            self._conn = None
-        return self.held
+# A probe's steps are in the store within the recorder's open-minute snapshot interval (5 s) plus shipping.
+PROBE_SETTLE = timedelta(seconds=10)
 
 
 def _table_reason(old: list, new: list, probes: set[int], counts: dict[int, dict[int, int]]) -> str:
@@ -80,7 +76,10 @@ def _table_reason(old: list, new: list, probes: set[int], counts: dict[int, dict
     if probes:
         (bucket,) = probes
         seen = sorted(counts.get(bucket, {}))
-        return f"cost probe: batch bucket {bucket} at N=0 for one interval (step times measured only at N={seen})"
+        return (
+            f"cost probe: batch bucket {bucket} at N=0 for one interval (its cost not fitted or no plain step "
+            f"measured there; steps seen at N={seen})"
+        )
     return f"batch table [{show(old)}] -> [{show(new)}]"
 
 
@@ -93,8 +92,14 @@ class _Reads:
     history: Callable[[], dict[str, tuple[list[int], list[int]]]]
     times: dict[int, dict[int, float]]
     counts: dict[int, dict[int, int]]
+    prefill: dict[int, PrefillCost]
     steps: dict[int, int]
     busiest: int | None
+    drafting: dict[int, dict[int, float]]  # share of requests that drafted, per bucket and N
+
+
+def _prefill(rows: list[inputs.StepMinute], since: datetime, until: datetime) -> dict[int, PrefillCost]:
+    return {b: PrefillCost(**entry) for b, entry in inputs.prefill_of(rows, since, until).items()}
 
 
 def _utc_now() -> datetime:
@@ -113,14 +118,19 @@ class Tuner:
     clock: Callable[[], datetime] = _utc_now
     # Called with each run's decisions (e.g. to export the predicted speedup in force).
     on_decisions: Callable[[list[dict[str, Any]]], None] | None = None
+    holder: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     policies: PolicyRepository = field(init=False)
+    # (policy version, its draft, when that draft came in -- None: before any cost window): spares
+    # each run a walk through every version since the last draft change.
+    _draft_seen: tuple[int, tuple[str | None, str | None], datetime | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.policies = PolicyRepository(self.db, clock=self.clock)
-        self.leader = LeaderLock(self.db)
+        self.leader = LeaderLease(self.db, self.holder)
 
     def run_once(self) -> list[dict[str, Any]]:
-        if not self.leader.acquire():
+        epoch = self.leader.acquire()
+        if epoch is None:
             return []
         now = self.clock()
         self.close_decisions(now)
@@ -128,11 +138,12 @@ class Tuner:
         if current is None:
             return []
         doc = PolicyDocument.model_validate(current.body)
-        reads = self._read(now)
+        reads = self._read(now, self._draft_since(current, now - self.cost_window))
         changed_at = inputs.last_applied(self.db)
         explored_at = inputs.last_applied(self.db, "explore")
+        probed_at = inputs.last_applied(self.db, "cost_probe")
         body, decisions = doc.body(), []
-        for cls in sorted(self.classes):
+        for cls in sorted(doc.known_classes(self.classes)):  # the policy's classifier, where it has one
             policy = effective_policy(doc, None, cls)
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
@@ -141,26 +152,69 @@ class Tuner:
             if cls in explored_at and now - explored_at[cls] < min(self.window, 3 * self.interval):
                 # Explorations are spaced: each needs a few intervals to be measured, and churn costs.
                 policy = policy.model_copy(update={"explore_margin": 0.0})
-            row, override = self._decide(cls, policy, reads, now, current.version)
+            # No second probe before the first one's steps are in the store.
+            settling = cls in probed_at and now - probed_at[cls] < PROBE_SETTLE + self.interval
+            row, override = self._decide(cls, policy, reads, now, current.version, may_probe=not settling)
+            row["leader_epoch"] = epoch
             if override is not None:
                 body.setdefault("classes", {}).setdefault(cls, {}).update(override)
             decisions.append(row)
         self._write(body, current.version, decisions)
         return decisions
 
-    def _read(self, now: datetime) -> _Reads:
-        times, counts = inputs.step_times(self.db, now - self.cost_window, now)
+    def _versions(self, page: int = 100) -> Iterator[Versioned]:
+        """Every policy version, newest first, read a page at a time."""
+        offset = 0
+        while batch := self.policies.versions(page, offset):
+            yield from batch
+            if len(batch) < page:
+                return
+            offset += page
+
+    def _draft_since(self, current: Versioned, floor: datetime) -> datetime:
+        """When the draft in force (``draft_key``) came in, but not before ``floor``: the oldest
+        version of the newest unbroken run of versions with that draft (``floor`` when every
+        version has it)."""
+        key, seen = draft_key(current.body), self._draft_seen
+        start: datetime | None = None
+        for v in self._versions():
+            if seen is not None and v.version == seen[0] and seen[1] == key:
+                start = seen[2]  # known from an earlier run
+                break
+            if draft_key(v.body) != key:
+                break  # the version before the change
+            if v.at < floor:
+                start = None  # this draft was in force before the cost window
+                break
+            start = v.at
+        else:
+            start = None  # every version has this draft: no change to start from
+        self._draft_seen = (current.version, key, start)
+        return floor if start is None else max(start, floor)
+
+    def _read(self, now: datetime, since: datetime) -> _Reads:
+        """The run's inputs.  The hour of acceptance history (read when the window holds too few
+        drafts) and the steps that drafted start at ``since``, when the draft in force came in:
+        another draft's say nothing about this one.  The window and the last interval are read as
+        they are -- right after a swap the last interval shows the change (``acceptance_shifted``),
+        and the records a draining engine finishes after the policy write are still the old draft's."""
+        minutes = [
+            m for m in inputs.step_minutes(self.db, now - self.cost_window, now) if m.n == 0 or m.minute >= since
+        ]
+        times, counts = inputs.times_of(minutes, now - self.cost_window, now)
         steps = {b: sum(per.values()) for b, per in counts.items()}
-        _, recent_counts = inputs.step_times(self.db, now - self.window, now)
-        traffic = {b: sum(per.values()) for b, per in recent_counts.items()} or steps
+        _, recent_counts = inputs.times_of(minutes, now - self.window, now)
+        traffic = recent_counts or counts
         return _Reads(
             window=inputs.acceptance_counts(self.db, now - self.window, now),
             recent=inputs.acceptance_counts(self.db, now - self.interval, now),
-            history=functools.cache(lambda: inputs.acceptance_counts(self.db, now - self.cost_window, now)),
+            history=functools.cache(lambda: inputs.acceptance_counts(self.db, max(now - self.cost_window, since), now)),
             times=times,
             counts=counts,
+            prefill=_prefill(minutes, now - self.cost_window, now),
             steps=steps,
-            busiest=max(traffic, key=traffic.get) if traffic else None,
+            busiest=busiest_bucket(traffic),
+            drafting=inputs.drafting_share_of(minutes, now - self.window, now),
         )
 
     def _acceptance(self, cls: str, reads: _Reads) -> tuple[list[int], list[int], bool]:
@@ -177,12 +231,14 @@ class Tuner:
         return drafted, accepted, False
 
     def _decide(
-        self, cls: str, policy: Policy, reads: _Reads, now: datetime, version: int
+        self, cls: str, policy: Policy, reads: _Reads, now: datetime, version: int, may_probe: bool = True
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """One class: the decision row, and the class override to write (None: nothing to apply)."""
         drafted, accepted, shifted = self._acceptance(cls, reads)
         busiest, steps = reads.busiest, reads.steps
-        costs = costs_by_bucket(reads.times, policy.draft_cost_prior, reads.counts)
+        costs = costs_by_bucket(
+            reads.times, policy.draft_cost_prior, reads.counts, prefill=reads.prefill, drafting=reads.drafting
+        )
         here_cost = costs.get(busiest, policy.draft_cost_prior)
         alphas = list(position_acceptance(drafted, accepted).mean) if drafted else None
         pays_elsewhere = alphas is not None and any(
@@ -196,17 +252,30 @@ class Tuner:
             alphas = None
         if d.enabled and alphas is not None:
             in_force = policy.num_speculative_tokens if policy.speculation_enabled else d.n
-            unfitted = [
+            # A bucket gets a probe when its plain step was never measured: every speedup is
+            # relative to a plain step, and an extrapolated one overstates it (running the drafter at
+            # all costs more than the linear fit's intercept shows).  A bucket whose plain step is
+            # measured and whose N > 0 is not measures that by running at N: a probe to N = 0 there
+            # would measure nothing new and demote every request in flight for good.
+            unmeasured = [
                 b
                 for b, c in costs.items()
-                if c.source != "fit" and steps[b] >= MIN_COST_PROBE_STEPS and n_for_batch(table, b, in_force) > 0
+                if 0 not in c.measured
+                and steps[b] >= MIN_COST_PROBE_STEPS
+                and n_for_batch(table, b, in_force) > 0
+                and may_probe
             ]
-            probes = {max(unfitted, key=steps.get)} if unfitted else set()
+            probes = {max(unmeasured, key=steps.get)} if unmeasured else set()
             if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
                 d = ClassDecision("keep", True, in_force, d.predicted_speedup, d.acceptance, False, d.reason)
             table = decide_batch_table(policy, alphas, costs, d.n, probes, class_bucket=busiest)
+        elif not d.enabled and d.acceptance is None and busiest is not None:
+            table = open_for_probes(policy, busiest)  # off, and nothing of this draft measured
         action, reason = d.action, d.reason
-        if action == "keep" and table != policy.batch_table:
+        if action == "keep" and table != policy.batch_table and not d.enabled:
+            action = "reprobe"
+            reason = f"{reason}; probes measure the draft in force at batch bucket {busiest} (N={d.n})"
+        elif action == "keep" and table != policy.batch_table:
             action = "cost_probe" if probes else "set_table"
             reason = _table_reason(policy.batch_table, table, probes, reads.counts)
         before = n_for_batch(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
@@ -248,6 +317,8 @@ class Tuner:
                         "source": c.source,
                         "steps": steps[b],
                         "measured_s": {str(n): t for n, t in c.measured.items()},
+                        "prefill_s_per_token": None if c.prefill is None else asdict(c.prefill),
+                        "drafting_share": {str(n): k for n, k in c.drafting_share.items()},
                     }
                     for b, c in costs.items()
                 },
@@ -263,46 +334,62 @@ class Tuner:
         return row, override
 
     def _write(self, body: dict[str, Any], version: int, decisions: list[dict[str, Any]]) -> None:
-        """Applied decisions become one policy version (actor tuner); every decision becomes a row."""
-        if any(x["applied"] for x in decisions):
-            reason = "; ".join(f"{x['prompt_class']}: {x['inputs']['reason']}" for x in decisions if x["applied"])
-            try:
-                written = self.policies.write(body, version, "tuner", reason, "tuner")
-            except StaleVersionError:
-                log.info("policy changed meanwhile; tuner decides again next interval")
-                for x in decisions:
-                    x["applied"] = False
-            else:
-                self.on_change(written)
-        if decisions:
+        """Applied decisions become one policy version (actor tuner); every decision becomes a row.
+
+        One transaction, fenced by the leader lease: a tuner that lost its lease writes neither.
+        """
+        written = None
+        try:
             with self.db.begin() as conn:
-                conn.execute(insert(TunerDecision), decisions)
-            if self.on_decisions is not None:
-                self.on_decisions(decisions)
+                self.leader.fence(conn)
+                if any(x["applied"] for x in decisions):
+                    reason = "; ".join(
+                        f"{x['prompt_class']}: {x['inputs']['reason']}" for x in decisions if x["applied"]
+                    )
+                    try:
+                        with conn.begin_nested():
+                            written = self.policies.write(body, version, "tuner", reason, "tuner", conn)
+                    except StaleVersionError:
+                        log.info("policy changed meanwhile; tuner decides again next interval")
+                        for x in decisions:
+                            x["applied"] = False
+                if decisions:
+                    conn.execute(insert(TunerDecision), decisions)
+        except StaleLeaderError as exc:
+            log.warning("tuner run refused: %s", exc)
+            decisions.clear()
+            return
+        if written is not None:
+            self.on_change(written)
+        if decisions and self.on_decisions is not None:
+            self.on_decisions(decisions)
 
     def close_decisions(self, now: datetime) -> int:
-        """Fill in the realised speedup of decisions whose span has been measured."""
+        """Fill in the realised speedup of decisions whose span has been measured.
+
+        Realised: tokens/s of every step at the decision's N and bucket over its span, over plain
+        steps' tokens/s at that bucket in the last cost window (``measured_speedups``).  The
+        store is read once per run, not per open decision: decisions that cannot be closed (no plain
+        steps measured near them) stay open for ``4 * window`` and are looked at every run.
+        """
+        awaiting = inputs.decisions_awaiting_outcome(self.db, now, max_age=4 * self.window)
+        if not awaiting:
+            return 0
+        first = awaiting[0]["at"]
+        decided = inputs.DecisionTimes(self.db, first)
+        minutes = inputs.step_minutes(self.db, first - self.cost_window, now + timedelta(minutes=1))
+        plain = inputs.throughput_of(minutes, now - self.cost_window, now + timedelta(minutes=1))
         closed = 0
-        for dec in inputs.decisions_awaiting_outcome(self.db, now, max_age=4 * self.window):
-            end = inputs.next_decision_time(self.db, dec["prompt_class"], dec["at"])
+        for dec in awaiting:
+            end = decided.next_after(dec["prompt_class"], dec["at"])
             if end is None:
                 continue  # still the decision in force: its span is open
-            measured = inputs.tokens_per_step(self.db, dec["prompt_class"], dec["at"], end)
-            times, _ = inputs.step_times(self.db, dec["at"], end + timedelta(minutes=1))
-            t_after = times.get(dec["batch_bucket"], {}).get(dec["n_after"])
-            t0 = self._plain_step_time(dec, end)
-            if t0 is None or t_after is None or measured is None or measured[1] < MIN_REALISED_STEPS:
-                continue
-            inputs.set_realised(self.db, dec["id"], measured[0] * t0 / t_after)
+            bucket, n = dec["batch_bucket"], dec["n_after"]
+            # Measured tokens/s: the decision's N over its span, plain steps over the last cost window.
+            span = inputs.throughput_of(minutes, dec["at"], end + timedelta(minutes=1)).get(bucket, {})
+            realised = measured_speedups({bucket: {n: span[n]}} if n in span else {}, plain).get(bucket, {})
+            if n not in realised:
+                continue  # too few steps on either side: no plain step is replaced by the model's t0
+            inputs.set_realised(self.db, dec["id"], realised[n])
             closed += 1
         return closed
-
-    def _plain_step_time(self, dec: dict[str, Any], end: datetime) -> float | None:
-        """A plain step at the decision's bucket, measured (N=0 steps run no drafter) where the
-        cost window has enough of them, else the t0 the decision was made with."""
-        times, counts = inputs.step_times(self.db, end - self.cost_window, end + timedelta(minutes=1))
-        bucket = dec["batch_bucket"]
-        if counts.get(bucket, {}).get(0, 0) >= MIN_PLAIN_STEPS:
-            return times[bucket][0]
-        cost = (dec["inputs"].get("costs") or {}).get(str(bucket)) or {}
-        return cost.get("t0_s")

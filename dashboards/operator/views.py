@@ -29,6 +29,16 @@ def overview(api: Api, window_s: float, who: dict) -> None:
         col.metric(row["class"], shown, help=f"tuner mode {row['tuner_mode']}")
     st.dataframe(classes, hide_index=True, key="classes_table")
 
+    fleet = api.get("/api/v1/instances")
+    st.subheader(f"Engine instances (policy v{fleet['policy_version']})")
+    if fleet["behind"]:
+        st.warning(f"Behind the policy: {', '.join(fleet['behind'])} (still on an older settings version)")
+    if fleet["instances"]:
+        columns = ["instance_id", "method", "draft_model", "settings_version", "behind", "live", "seen_s_ago"]
+        st.dataframe(pd.DataFrame(fleet["instances"])[columns], hide_index=True, key="instances_table")
+    else:
+        st.info("No engine has reported to this control plane yet.")
+
     points = pd.DataFrame(
         api.get("/api/v1/stats/timeseries", window_s=window_s, bucket_s=max(60, window_s // 60))["points"]
     )
@@ -53,7 +63,13 @@ def overview(api: Api, window_s: float, who: dict) -> None:
             st.dataframe(points, hide_index=True, key="timeseries_table")
 
     st.subheader("Latency (ms)")
-    latency = api.get("/api/v1/stats/latency", window_s=window_s)["classes"]
+    answer = api.get("/api/v1/stats/latency", window_s=window_s)
+    latency = answer["classes"]
+    error = max((c.get("percentile_error", 0.0) for c in latency), default=0.0)
+    if error:
+        st.caption(f"Percentiles from hourly histograms: each within {error:.1%} of the exact value.")
+    if answer.get("left_out"):
+        st.warning(answer["left_out"])
     rows = [
         {"class": c["class"], "metric": name, **{q: None if v is None else round(v * 1000, 1) for q, v in c[m].items()}}
         for c in latency
@@ -260,8 +276,26 @@ def _report(api: Api, report_id: int) -> None:
         st.dataframe(pd.DataFrame(report["top_disagreements"]), hide_index=True, key="disagreements_table")
 
 
+def _fidelity(api: Api, window_s: float) -> None:
+    st.subheader("Fidelity audit")
+    found = api.get("/api/v1/fidelity", window_s=window_s)
+    if not found["classes"]:
+        st.info("No audited request yet in this window (policy: fidelity_audit_fraction; greedy requests only).")
+        return
+    defects = sum(c["defect"] for c in found["classes"])
+    if defects:
+        st.error(f"{defects} audited request(s) where speculation changed the output beyond a near-tie.")
+    columns = ["class", "method", "audited", "match", "near_tie", "defect", "divergence_rate", "max_near_tie_margin"]
+    st.dataframe(pd.DataFrame(found["classes"]).reindex(columns=columns), hide_index=True, key="fidelity_table")
+    if found["divergences"]:
+        shown = ["checked_at", "request_id", "prompt_class", "result", "diverged_at", "served_margin", "plain_margin"]
+        divergences = pd.DataFrame(found["divergences"]).reindex(columns=[*shown, "reason"])
+        st.dataframe(divergences, hide_index=True, key="divergences_table")
+
+
 def diagnostics(api: Api, window_s: float, who: dict) -> None:
     st.header("Diagnostics")
+    _fidelity(api, window_s)
     classes = [c["class"] for c in api.get("/api/v1/classes")["classes"]]
     choice = st.selectbox("Class to diagnose", ["(all classes)", *classes], key="diagnose_class")
     if st.button("Run a diagnosis", key="run_diagnosis"):

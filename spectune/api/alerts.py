@@ -15,11 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import update
-from sqlalchemy.dialects import postgresql, sqlite
 
+from spectune.store.db import conflict_insert
 from spectune.store.models import AlertEvent
 
 from .auth import ERRORS, Operator
+from .classes import known_classes
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"], responses=ERRORS)
 
@@ -47,8 +48,8 @@ class WebhookIn(BaseModel):
 
 
 def _insert_new(conn: Any) -> Any:
-    dialect = {"postgresql": postgresql, "sqlite": sqlite}[conn.dialect.name]
-    return dialect.insert(AlertEvent).on_conflict_do_nothing(index_elements=["fingerprint", "status", "starts_at"])
+    notification = ["fingerprint", "status", "starts_at"]
+    return conflict_insert(conn, AlertEvent).on_conflict_do_nothing(index_elements=notification)
 
 
 @router.post("/alerts/alertmanager")
@@ -74,8 +75,9 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
             if alert.status == "firing" and alert.labels.get("diagnose") != "false":
                 firing.append((event_id, alert.labels.get("class")))
     runner = request.app.state.diagnosis
+    classes = known_classes(request) if firing and runner is not None else set()
     for event_id, prompt_class in firing if runner is not None else ():
-        known = prompt_class if prompt_class in request.app.state.known_classes else None
+        known = prompt_class if prompt_class in classes else None
         report_id, _ = runner.submit("alert", known)
         with request.app.state.db.begin() as conn:
             conn.execute(update(AlertEvent).where(AlertEvent.id == event_id).values(diagnosis_id=report_id))

@@ -1,4 +1,5 @@
-"""Bearer-token auth with two roles.
+"""Bearer-token auth with three roles: viewer (reads), operator (writes), engine (a remote engine:
+reads, and the fleet's rebuild slot).
 
 Tokens come from settings (``SPECTUNE_API_TOKENS``, JSON:
 ``{"alice": {"token": "...", "role": "operator"}}``).  Comparison is
@@ -21,6 +22,7 @@ from pydantic import BaseModel, SecretStr
 class Role(StrEnum):
     VIEWER = "viewer"
     OPERATOR = "operator"
+    ENGINE = "engine"  # a remote engine's token: reads its settings, takes and gives back the rebuild slot
 
 
 class TokenSpec(BaseModel):
@@ -62,10 +64,16 @@ def viewer(p: Annotated[Principal, Depends(principal)]) -> Principal:
     return p
 
 
-def operator(p: Annotated[Principal, Depends(principal)]) -> Principal:
-    if p.role != Role.OPERATOR:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "operator role required")
-    return p
+def requiring(*roles: Role) -> Any:
+    """A dependency admitting only tokens of ``roles`` (403 naming them otherwise)."""
+    required = " or ".join(roles) + " role required"
+
+    def check(p: Annotated[Principal, Depends(principal)]) -> Principal:
+        if p.role not in roles:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, required)
+        return p
+
+    return check
 
 
 class ErrorOut(BaseModel):
@@ -74,7 +82,7 @@ class ErrorOut(BaseModel):
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "Missing or invalid bearer token"},
-    403: {"model": ErrorOut, "description": "Operator role required"},
+    403: {"model": ErrorOut, "description": "The token's role may not do this (operator, or engine, required)"},
     404: {"model": ErrorOut, "description": "Not found"},
     422: {"model": ErrorOut, "description": "Invalid input; the message names the field"},
 }
@@ -85,4 +93,5 @@ Offset = Annotated[int, Query(ge=0, le=1_000_000_000)]
 MAX_ID = 2**31 - 1
 
 Viewer = Annotated[Principal, Depends(viewer)]
-Operator = Annotated[Principal, Depends(operator)]
+Operator = Annotated[Principal, Depends(requiring(Role.OPERATOR))]
+EngineOrOperator = Annotated[Principal, Depends(requiring(Role.ENGINE, Role.OPERATOR))]

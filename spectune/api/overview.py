@@ -7,12 +7,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from sqlalchemy import select
 
-from spectune.store.models import RequestRecordRow
+from spectune.store.aggregates import timeseries_by_class
+from spectune.store.retention import left_out
 from spectune.tuner.policy import PolicyDocument, effective_policy
 
 from .auth import ERRORS, Viewer
+from .classes import known_classes
 from .records import Window
 
 router = APIRouter(prefix="/api/v1", tags=["overview"], responses=ERRORS)
@@ -29,7 +30,7 @@ def classes(request: Request, _: Viewer) -> dict[str, Any]:
     current = request.app.state.policies.current()
     doc = PolicyDocument.model_validate(current.body) if current else PolicyDocument()
     out = []
-    for cls in sorted(request.app.state.known_classes):
+    for cls in sorted(known_classes(request, doc)):
         p = effective_policy(doc, None, cls)
         out.append(
             {
@@ -52,26 +53,12 @@ def timeseries(
 ) -> dict[str, Any]:
     """Per class and time bucket: requests, acceptance (accepted / drafted), output tokens/s."""
     since = datetime.now(UTC) - timedelta(seconds=window_s)
-    T = RequestRecordRow
-    query = (
-        select(T.prompt_class, T.finish_time, T.num_draft_tokens, T.num_accepted_tokens, T.output_tokens)
-        .where(T.finish_time >= since)
-        .limit(500_000)
-    )
-    with request.app.state.db.connect() as conn:
-        rows = conn.execute(query).all()
-    points: dict[tuple[str, float], list[int]] = {}
-    for cls, finished, drafted, accepted, tokens in rows:
-        at = finished if finished.tzinfo else finished.replace(tzinfo=UTC)
-        start = at.timestamp() // bucket_s * bucket_s
-        p = points.setdefault((cls, start), [0, 0, 0, 0])
-        p[0] += 1
-        p[1] += drafted
-        p[2] += accepted
-        p[3] += tokens
+    rows = timeseries_by_class(request.app.state.db, since, bucket_s)
     return {
         "window_s": window_s,
         "bucket_s": bucket_s,
+        # widths of whole minutes read the sums; others read only records, all of them gone before the horizon
+        "left_out": left_out(request.app.state.db, since, raw_only=round(bucket_s * 1e6) % 60_000_000 != 0),
         "points": [
             {
                 "class": cls,
@@ -80,6 +67,6 @@ def timeseries(
                 "acceptance": a / d if d else None,
                 "output_tokens_per_s": tokens / bucket_s,
             }
-            for (cls, start), (n, d, a, tokens) in sorted(points.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+            for cls, start, n, d, a, tokens in rows
         ],
     }

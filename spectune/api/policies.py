@@ -20,6 +20,7 @@ from spectune.store.policies import StaleVersionError, Versioned, json_diff
 from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings, validate_document
 
 from .auth import ERRORS, MAX_ID, ErrorOut, Offset, Operator, Viewer
+from .classes import known_classes
 
 router = APIRouter(prefix="/api/v1", tags=["policy"], responses=ERRORS)
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -81,7 +82,7 @@ def _expected(if_match: str | None) -> int:
 def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
     try:
         doc = PolicyDocument.model_validate(body)
-        validate_document(doc, request.app.state.known_classes)
+        validate_document(doc, request.app.state.startup_classes)
         request.app.state.check_policy(doc)
     except ValidationError as exc:
         raise HTTPException(
@@ -212,9 +213,9 @@ def effective(
     instance: str | None = None,
     prompt_class: Annotated[str | None, Query(alias="class")] = None,
 ) -> Policy:
-    if prompt_class is not None and prompt_class not in request.app.state.known_classes:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
     doc = PolicyDocument.model_validate(request.app.state.policies.current().body)
+    if prompt_class is not None and prompt_class not in known_classes(request, doc):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
     return effective_policy(doc, instance, prompt_class)
 
 
@@ -233,7 +234,7 @@ def engine_settings(
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
     response.headers["ETag"] = etag
     doc = PolicyDocument.model_validate(current.body)
-    return runtime_settings(doc, instance, request.app.state.known_classes, current.version).model_dump(mode="json")
+    return runtime_settings(doc, instance, request.app.state.startup_classes, current.version).model_dump(mode="json")
 
 
 @router.get("/audit")

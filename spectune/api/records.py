@@ -12,10 +12,12 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from pydantic import BaseModel, Field
 from sqlalchemy import and_, func, or_, select
 
+from spectune.store.aggregates import acceptance_by_class, latency_by_class
 from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
-from spectune.store.steps import add_positions, percentile
+from spectune.store.retention import left_out
 
 from .auth import ERRORS, MAX_ID, ErrorOut, Offset, Operator, Principal, Role, Viewer
+from .classes import known_classes
 
 router = APIRouter(
     prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}}
@@ -39,7 +41,8 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 def _known_class(request: Request, prompt_class: str | None) -> None:
-    if prompt_class is not None and prompt_class not in request.app.state.known_classes:
+    # Classes of the classifier in force, and the start-up ones (records of either may be stored).
+    if prompt_class is not None and prompt_class not in known_classes(request) | request.app.state.startup_classes:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
 
 
@@ -135,40 +138,22 @@ def acceptance(
                 for b, n, steps, d, a in rows
             ],
         }
-    T = RequestRecordRow
-    query = select(
-        T.prompt_class, T.drafted_per_position, T.accepted_per_position, T.num_draft_tokens, T.num_accepted_tokens
-    ).where(T.finish_time >= since)
-    if instance:
-        query = query.where(T.instance_id == instance)
-    with db.connect() as conn:
-        rows = conn.execute(query).all()
-    per_class: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        g = per_class.setdefault(
-            r.prompt_class, {"requests": 0, "drafted": 0, "accepted": 0, "drafted_pos": [], "accepted_pos": []}
-        )
-        g["requests"] += 1
-        g["drafted"] += r.num_draft_tokens
-        g["accepted"] += r.num_accepted_tokens
-        add_positions(g["drafted_pos"], r.drafted_per_position)
-        add_positions(g["accepted_pos"], r.accepted_per_position)
     groups = []
-    for cls, g in sorted(per_class.items()):
+    for cls, g in sorted(acceptance_by_class(db, since, instance=instance).items()):
         item = {
             "class": cls,
-            "requests": g["requests"],
-            "drafted": g["drafted"],
-            "accepted": g["accepted"],
-            "acceptance": g["accepted"] / g["drafted"] if g["drafted"] else None,
+            "requests": g.requests,
+            "drafted": g.drafted,
+            "accepted": g.accepted,
+            "acceptance": g.accepted / g.drafted if g.drafted else None,
         }
         if group_by == AcceptanceGroup.POSITION:
             item["positions"] = [
                 {"position": i, "drafted": d, "accepted": a, "acceptance": a / d if d else None}
-                for i, (d, a) in enumerate(zip(g["drafted_pos"], g["accepted_pos"]))
+                for i, (d, a) in enumerate(zip(g.drafted_per_position, g.accepted_per_position, strict=True))
             ]
         groups.append(item)
-    return {"window_s": window_s, "group_by": group_by, "groups": groups}
+    return {"window_s": window_s, "group_by": group_by, "groups": groups, "left_out": left_out(db, since)}
 
 
 @router.get("/stats/latency")
@@ -180,33 +165,12 @@ def latency(
     prompt_class: Annotated[str | None, Query(alias="class")] = None,
 ) -> dict[str, Any]:
     _known_class(request, prompt_class)
-    T = RequestRecordRow
-    query = (
-        select(T.prompt_class, T.ttft_s, T.tpot_s, T.e2e_s, T.output_tokens)
-        .where(T.finish_time >= datetime.now(UTC) - timedelta(seconds=window_s))
-        .limit(200_000)
-    )
-    if instance:
-        query = query.where(T.instance_id == instance)
-    if prompt_class:
-        query = query.where(T.prompt_class == prompt_class)
-    with request.app.state.db.connect() as conn:
-        rows = conn.execute(query).all()
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
     out = []
-    for cls in sorted({r.prompt_class for r in rows}):
-        mine = [r for r in rows if r.prompt_class == cls]
-        entry: dict[str, Any] = {
-            "class": cls,
-            "requests": len(mine),
-            "output_tokens_per_s": sum(r.output_tokens for r in mine) / window_s,
-        }
-        for metric in ("ttft_s", "tpot_s", "e2e_s"):
-            values = sorted(getattr(r, metric) for r in mine if getattr(r, metric) is not None)
-            entry[metric] = {
-                q: percentile(values, p) if values else None for q, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
-            }
-        out.append(entry)
-    return {"window_s": window_s, "classes": out}
+    for cls, entry in sorted(latency_by_class(request.app.state.db, since, None, instance, prompt_class).items()):
+        tokens = entry.pop("output_tokens")
+        out.append({"class": cls, **entry, "output_tokens_per_s": tokens / window_s})
+    return {"window_s": window_s, "classes": out, "left_out": left_out(request.app.state.db, since, raw_only=True)}
 
 
 def _rows(request: Request, model: Any, order: Any, limit: int, offset: int) -> list[dict[str, Any]]:
