@@ -60,6 +60,18 @@ def _serving(base: str, draft) -> bool:
     return ready["ready"] and ready["draft_model"] == str(draft)
 
 
+def _until(base: str, predicate, timeout: float, what: str) -> float:
+    """``seconds_until``; a failure says what the tuner decided for qa last, and why."""
+    try:
+        return seconds_until(predicate, timeout, what)
+    except pytest.fail.Exception:
+        last = [
+            (d["action"], d["applied"], d["inputs"].get("acceptance"), d["predicted_speedup"], d["inputs"]["reason"])
+            for d in _qa_decisions(base)[:8]
+        ]
+        pytest.fail(f"{what}: not within {timeout:.0f} s; qa's last decisions (newest first): {last}; now: {_qa(base)}")
+
+
 def test_bad_draft_switches_the_class_off_and_back_on(tuned, tiny):
     base = tuned
     _patch(base, {"global": {"cooldown_s": INTERVAL, "exploration_fraction": 0.5, "draft_cost_prior": 0.2}})
@@ -69,7 +81,7 @@ def test_bad_draft_switches_the_class_off_and_back_on(tuned, tiny):
         _patch(base, {"global": {"draft_model": str(tiny["indep"])}})  # managed rebuild to a bad draft
         wait_for(lambda: _serving(base, tiny["indep"]), 120, "rebuild to the bad draft")
         # Deadlines here only stop a hang: how fast it switches is printed (a shared host is slow).
-        took = seconds_until(lambda: not _qa(base)["speculation_enabled"], 120, "switching qa off")
+        took = _until(base, lambda: not _qa(base)["speculation_enabled"], 120, "switching qa off")
         print(f"\nqa off {took:.1f} s after the bad draft came up (interval {INTERVAL:.0f} s)")
         off = next(d for d in _qa_decisions(base) if d["action"] == "off")
         assert off["applied"] and off["inputs"]["acceptance"] < 0.7 and off["predicted_speedup"] < 1
@@ -83,11 +95,7 @@ def test_bad_draft_switches_the_class_off_and_back_on(tuned, tiny):
         _patch(base, {"global": {"draft_model": str(tiny["copy"])}})  # the good draft is back
         wait_for(lambda: _serving(base, tiny["copy"]), 120, "rebuild to the good draft")
         # Only the good draft's probes count (the bad draft's hour of history is another draft's).
-        try:
-            took = seconds_until(lambda: _qa(base)["speculation_enabled"], 180, "re-probe switching qa back on")
-        except pytest.fail.Exception:
-            reasons = [d["inputs"]["reason"] for d in _qa_decisions(base)][:5]
-            pytest.fail(f"qa still off; its last decisions: {reasons}; its settings: {_qa(base)}")
+        took = _until(base, lambda: _qa(base)["speculation_enabled"], 180, "re-probe switching qa back on")
         print(f"qa back on {took:.1f} s after the good draft came up")
     assert load.failures == []
     audit = httpx.get(f"{base}/api/v1/audit", headers=VIEWER).json()
