@@ -394,3 +394,40 @@ def test_an_off_class_whose_table_keeps_its_busiest_bucket_plain_is_probed_there
     now[0] += 60
     qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
     assert qa["action"] == "on" and qa["applied"], qa["inputs"]["reason"]  # no cooldown after the reprobe
+
+
+def test_an_on_class_whose_table_keeps_its_busiest_bucket_plain_is_opened_there_after_a_draft_change(tmp_path):
+    """The lock-out seen in the tuner engine test, the other way round: under the good draft the table
+    got N = 0 at the busiest bucket while the class stayed on.  After the swap to a bad draft the
+    class drafted nothing there, so it kept "too little data: policy stands" and never went off.
+    With nothing of the draft in force measured, the tuner opens that bucket (a measurement, no
+    cooldown), and the bad draft's measured acceptance switches the class off."""
+    from spectune.engine.schema import RuntimeSettings
+    from spectune.tuner.policy import runtime_settings
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), draft_model="/drafts/bad")
+    repo = PolicyRepository(db, clock=tuner.clock)
+    doc = repo.current().body
+    doc["global"]["cooldown_s"] = 300.0  # the opening must not start one
+    doc["classes"] = {
+        "qa": {"batch_table": [BatchRange(min_batch=3, max_batch=4096, num_speculative_tokens=0).model_dump()]}
+    }
+    repo.write(doc, repo.current().version, "tuner", "plain at 3+ under the good draft", "replace")
+    _steps(db, now[0] - 60, {4: {0: 0.10}})
+
+    def settings() -> RuntimeSettings:
+        current = repo.current()
+        return runtime_settings(PolicyDocument.model_validate(current.body), "i", {"qa"}, current.version)
+
+    assert settings().n_for("qa", 4, capacity=6) == 0  # locked out: the bad draft is never measured
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "reprobe" and qa["applied"], qa["inputs"]["reason"]
+    assert settings().n_for("qa", 4, capacity=6) == 3  # the busiest bucket drafts again
+    now[0] += 60
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "keep"  # opened once, not again
+    insert_records(db, _qa_records(20, [3, 3, 3], [0, 0, 0], at=now[0] - 1))  # the bad draft's drafts
+    _steps(db, now[0] - 30, {4: {3: 0.14}})
+    now[0] += 60
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    assert qa["action"] == "off" and qa["applied"], qa["inputs"]["reason"]  # no cooldown after the opening

@@ -104,6 +104,11 @@ def decide_class(
     return ClassDecision("keep", True, current, here, rate, False, choice.reason)
 
 
+def drafts_at(policy: Policy, bucket: int) -> bool:
+    """Whether a class's table drafts at ``bucket`` (an off class's probes obey it too)."""
+    return n_for_batch(policy.batch_table, bucket, policy.num_speculative_tokens) > 0
+
+
 def open_for_probes(policy: Policy, bucket: int) -> list[BatchRange]:
     """An off class's table with ``bucket`` at the class N, for when nothing of the draft in force
     is measured.  Its probes obey the table (at 8 concurrent one probe makes the drafter run over the

@@ -49,7 +49,7 @@ from spectune.store.leader import LeaderLease, StaleLeaderError
 from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
 
-from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, open_for_probes
+from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, drafts_at, open_for_probes
 from .goodput import (
     CostFit,
     PrefillCost,
@@ -269,10 +269,13 @@ class Tuner:
             if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
                 d = ClassDecision("keep", True, in_force, d.predicted_speedup, d.acceptance, False, d.reason)
             table = decide_batch_table(policy, alphas, costs, d.n, probes, class_bucket=busiest)
-        elif not d.enabled and d.acceptance is None and busiest is not None:
-            table = open_for_probes(policy, busiest)  # off, and nothing of this draft measured
+        elif d.acceptance is None and busiest is not None and not drafts_at(policy, busiest):
+            # Nothing of the draft in force measured, and the busiest bucket (where the traffic, and
+            # so any measurement of it, is) drafts nothing: open it, or the class keeps "too little
+            # data" for good -- off or on.
+            table = open_for_probes(policy, busiest)
         action, reason = d.action, d.reason
-        if action == "keep" and table != policy.batch_table and not d.enabled:
+        if action == "keep" and table != policy.batch_table and d.acceptance is None:
             action = "reprobe"
             reason = f"{reason}; probes measure the draft in force at batch bucket {busiest} (N={d.n})"
         elif action == "keep" and table != policy.batch_table:
