@@ -295,12 +295,14 @@ def serve_tiny(
 
 class CompletionLoad:
     """Threads posting greedy completions until the block ends; the id of every answered response
-    is kept, every failure (a non-200, a connection error, a timeout) is collected."""
+    is kept, every failure (a non-200, a connection error, a timeout) is collected.  ``pause_s``:
+    each client waits that long between requests (steady traffic that leaves CPU to something else
+    on 2 cores, e.g. an engine starting beside it); 0 posts back to back."""
 
-    def __init__(self, base: str, workers: int = 4, max_tokens: int = 24) -> None:
+    def __init__(self, base: str, workers: int = 4, max_tokens: int = 24, pause_s: float = 0.0) -> None:
         import threading
 
-        self.base, self.max_tokens, self.failures, self.done = base, max_tokens, [], []
+        self.base, self.max_tokens, self.pause_s, self.failures, self.done = base, max_tokens, pause_s, [], []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
 
@@ -325,6 +327,8 @@ class CompletionLoad:
                     self.failures.append(r.text)
                 else:
                     self.done.append(r.json()["id"])  # the whole answer arrived
+                if self.pause_s:
+                    self.stop.wait(self.pause_s)
 
     def __enter__(self) -> CompletionLoad:
         for t in self.threads:

@@ -40,6 +40,7 @@ async def _patch(base: str, body: dict) -> int:
         return r.json()["version"]
 
 
+@pytest.mark.timeout(1500)  # above the deadlines inside (a roll of three rebuilds took 386 s of the default 600)
 async def test_changes_reach_the_fleet_and_a_drafter_change_rolls_one_engine_at_a_time(control_plane, tiny):
     async with contextlib.AsyncExitStack() as stack:
         engines = []

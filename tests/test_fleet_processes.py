@@ -98,7 +98,7 @@ class Fleet:
             "--control-plane",
             self.control_planes[0].base,
             port=engine.port,
-            timeout=300,
+            timeout=600,  # only stops a hang: a start beside loaded engines on 2 cores takes minutes
             SPECTUNE_INSTANCE_ID=engine.name,
             SPECTUNE_CONTROL_PLANE_TOKEN=ENGINE_TOKEN,
             VLLM_CPU_OMP_THREADS_BIND=str(core),
@@ -209,8 +209,11 @@ def test_one_patch_reaches_every_engine(fleet):
 
 def test_an_engine_killed_mid_load_rejoins_at_the_current_version(fleet):
     victim = fleet.engines[1]
-    # One client each: on 2 cores, heavier load beside a starting engine stretches its start past minutes.
-    survivors = [CompletionLoad(e.base, workers=1, max_tokens=16) for e in (fleet.engines[0], fleet.engines[2])]
+    # One paced client each: on 2 cores, back-to-back load on the survivors starved the restart's
+    # imports for 4-5 minutes (past 300 s in one CI run); a request a second still shows them serving.
+    survivors = [
+        CompletionLoad(e.base, workers=1, max_tokens=16, pause_s=1.0) for e in (fleet.engines[0], fleet.engines[2])
+    ]
     for load in survivors:
         load.__enter__()
     try:
@@ -224,9 +227,13 @@ def test_an_engine_killed_mid_load_rejoins_at_the_current_version(fleet):
         fleet.start_engine(victim)  # same instance id, port and spool
         started = time.monotonic() - t0
         t0 = time.monotonic()
-        wait_for(lambda: _settings_version(victim.base) == version, 120, "the restarted engine at vN", 0.1)
+        # At least vN: the control plane's tuner may write a later version meanwhile (in a run of this
+        # test alone it is still in auto mode).
+        wait_for(lambda: (_settings_version(victim.base) or 0) >= version, 300, "the restarted engine at vN", 0.1)
         rejoined = time.monotonic() - t0
-        wait_for(lambda: _instance_versions(fleet).get(victim.name) == version, 120, "the control plane seeing it")
+        wait_for(
+            lambda: (_instance_versions(fleet).get(victim.name) or 0) >= version, 120, "the control plane seeing it"
+        )
         with CompletionLoad(victim.base, workers=2, max_tokens=16) as after:
             wait_for(lambda: after.done, 60, "the restarted engine answering")
     finally:
@@ -238,8 +245,19 @@ def test_an_engine_killed_mid_load_rejoins_at_the_current_version(fleet):
           f"{sum(len(load.done) for load in survivors)} requests meanwhile, "
           f"{sum(len(load.failures) for load in survivors)} failed")  # fmt: skip
     assert [f for load in survivors for f in load.failures] == [] and after.failures == []
-    assert fleet.versions() == [version] * ENGINES
-    assert _instance_versions(fleet) == {e.name: version for e in fleet.engines}
+    held = wait_for(lambda: _one_version(fleet), 120, "all engines on one version")
+    assert held >= version
+    wait_for(
+        lambda: _instance_versions(fleet) == {e.name: held for e in fleet.engines},
+        120,
+        "the control plane showing every engine at that version",  # from heartbeats
+    )
+
+
+def _one_version(fleet: Fleet) -> int | None:
+    """The version every engine holds, when they all hold the same one."""
+    held = set(fleet.versions())
+    return held.pop() if len(held) == 1 and None not in held else None
 
 
 def _instance_versions(fleet: Fleet) -> dict[str, int]:
@@ -332,7 +350,9 @@ def test_engines_serve_through_a_control_plane_restart_and_resync(fleet):
         outage = time.monotonic() - outage_start
         fleet.start_control_plane(followed)
         back = time.monotonic()
-        wait_for(lambda: fleet.versions() == [version] * ENGINES, 120, "the engines resyncing", 0.1)
+        # 300 s only stops a hang: one run saw an engine on a shared core take 50 s to install the
+        # settings it had fetched at once (the engine-core utility call waited behind its steps).
+        wait_for(lambda: (_one_version(fleet) or 0) >= version, 300, "the engines resyncing", 0.1)
         resynced = time.monotonic() - back
     finally:
         for load in loads:

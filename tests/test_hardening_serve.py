@@ -301,7 +301,7 @@ async def test_engine_death_under_load_starts_one_rebuild(tiny):
         requests = [asyncio.create_task(complete(engine, p, 200, ignore_eos=True)) for p in ("a b", "c d", "e f")]
         while engine._in_flight < 3:
             await asyncio.sleep(0.01)
-        (core,) = [p for p in psutil.Process().children() if "EngineCore" in " ".join(p.cmdline())]
+        (core,) = [p for p in psutil.Process().children() if "EngineCore" in _cmdline(p)]
         core.kill()  # every request in flight sees the engine die
         results = await asyncio.gather(*requests, return_exceptions=True)
         assert all(isinstance(r, Exception) for r in results)
@@ -311,3 +311,14 @@ async def test_engine_death_under_load_starts_one_rebuild(tiny):
         _text, ids, _ = await complete(engine, "the model draft", 8, ignore_eos=True)
         assert len(ids) == 8
     assert len([r for r in sink.records if r.error]) == 3
+
+
+def _cmdline(process) -> str:
+    """A child's command line; "" for one that ended or is a zombie (a server an earlier test killed
+    and its Popen never reaped: psutil raises ZombieProcess on its cmdline)."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
