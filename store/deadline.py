@@ -18,6 +18,7 @@ No caller waits on a server known not to answer, however slowly the callers come
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -181,10 +182,14 @@ class StatementDeadline:
 
     def _sever(self, fd: int) -> None:
         try:  # a dup, so the driver's own descriptor is never closed under it
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return  # the statement finished and the connection went meanwhile
+        with sock:
+            # Counted and marked down before the shutdown wakes the waiting caller: whoever sees its
+            # error sees both (counted after, a caller could read the counters first).
             self.severed += 1
             self._mark_down()
             log.warning("database statement exceeded %.1f s: connection closed", self.seconds)
-        except OSError:
-            pass  # the statement finished and the connection went meanwhile
+            with contextlib.suppress(OSError):  # already shut by the peer: severed all the same
+                sock.shutdown(socket.SHUT_RDWR)

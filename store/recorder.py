@@ -168,6 +168,11 @@ class Recorder:
         segments = self.spool.segments()
         cursor = Cursor(segments[0] if segments else 1, 0)
         while True:
+            # Both observed *before* the read: a segment seen rotated (or the spooler seen done) then
+            # was complete when read, so an empty read means shipped.  Looked at after the read, a line
+            # appended just before a rotation would be deleted unshipped with its segment.
+            spooled_all = self._spooled_all.is_set()
+            later = [s for s in self.spool.segments() if s > cursor.segment]
             items, after = self.spool.read(cursor, self.batch_size)
             if items:
                 dead_before = self.stats.dead_lettered
@@ -191,12 +196,11 @@ class Recorder:
                 self.stats.shipped += len(items) - (self.stats.dead_lettered - dead_before)
                 cursor = after
                 continue
-            later = [s for s in self.spool.segments() if s > cursor.segment]
             if later:  # this segment is complete: it was rotated, nothing more comes
                 self.spool.finish(cursor.segment)
                 cursor = Cursor(later[0], 0)
                 continue
-            if self._spooled_all.is_set():
+            if spooled_all:
                 return
             if cursor.offset > (1 << 20):
                 self.spool.seal()  # let a large shipped segment be deleted

@@ -51,6 +51,41 @@ def test_records_round_trip(db_url, tmp_path):
     assert list((tmp_path / "spool").glob("*.jsonl")) == []  # shipped segments are deleted
 
 
+def test_a_line_written_just_before_a_rotation_is_shipped_not_deleted(tmp_path, monkeypatch):
+    """The writer appends and rotates between the shipper's empty read and its look for a later
+    segment (a race CI hit: close() said all shipped, the rows were never written).  Forced here:
+    the spool appends and seals the moment the shipper, after an empty read, lists the segments."""
+    from spectune.store import recorder as recorder_module
+    from spectune.store.spool import Spool
+
+    (record,) = make_records(1, prefix="raced")
+
+    class RacingSpool(Spool):
+        armed, fired, last_read_empty = False, threading.Event(), False
+
+        def read(self, cursor, max_items):
+            items, after = super().read(cursor, max_items)
+            self.last_read_empty = not items
+            return items, after
+
+        def segments(self):
+            racing = self.armed and self.last_read_empty and not self.fired.is_set()
+            if racing and threading.current_thread().name == "recorder-shipper":
+                self.append([{"kind": "request", **record.__dict__}])
+                self.seal()
+                self.fired.set()
+            return super().segments()
+
+    monkeypatch.setattr(recorder_module, "Spool", RacingSpool)
+    url = f"sqlite:///{tmp_path}/spectune.db"
+    upgrade(url)
+    recorder = Recorder(make_engine(url), tmp_path / "spool")
+    recorder.spool.armed = True
+    assert recorder.spool.fired.wait(60), "the shipper never listed the segments after an empty read"
+    assert recorder.close()
+    assert [row.request_id for row in _rows(url)] == ["raced-0"]
+
+
 def test_replaying_the_same_records_never_duplicates(db_url, tmp_path):
     upgrade(db_url)
     records = make_records(300)
