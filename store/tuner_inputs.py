@@ -28,9 +28,10 @@ def acceptance_counts(
 
 @dataclass(frozen=True)
 class StepMinute:
-    """One writer-summed row of ``step_stats``: a minute, a batch bucket, an N."""
+    """One writer-summed row of ``step_stats``: a minute, an instance, a batch bucket, an N."""
 
     minute: datetime
+    instance: str
     bucket: int
     n: int
     steps: int
@@ -49,6 +50,7 @@ def step_minutes(db: Engine, since: datetime, until: datetime | None = None) -> 
     S = StepStat
     query = select(
         S.minute,
+        S.instance_id,
         S.batch_bucket,
         S.num_speculative_tokens,
         func.sum(S.steps),
@@ -63,9 +65,9 @@ def step_minutes(db: Engine, since: datetime, until: datetime | None = None) -> 
     if until is not None:
         query = query.where(S.minute < until)
     with db.connect() as conn:
-        rows = conn.execute(query.group_by(S.minute, S.batch_bucket, S.num_speculative_tokens)).all()
-    return [StepMinute(r[0], *(int(x) for x in r[1:4]), float(r[4]), *(int(x) for x in r[5:9]),
-                       float(r[9]), int(r[10])) for r in rows]  # fmt: skip
+        rows = conn.execute(query.group_by(S.minute, S.instance_id, S.batch_bucket, S.num_speculative_tokens)).all()
+    return [StepMinute(r[0], r[1], *(int(x) for x in r[2:5]), float(r[5]), *(int(x) for x in r[6:10]),
+                       float(r[10]), int(r[11])) for r in rows]  # fmt: skip
 
 
 def _minute(t: datetime) -> datetime:
@@ -106,6 +108,29 @@ def throughput_of(
         entry[1] += r.time_s + r.prefill_time_s
         entry[2] += r.steps + r.prefill_steps
     return {b: {n: tuple(v) for n, v in per.items()} for b, per in out.items()}
+
+
+def paired_of(
+    rows: list[StepMinute], since: datetime, until: datetime | None = None
+) -> dict[int, dict[int, list[tuple[int, float, int, float]]]]:
+    """{bucket: {N: [(plain steps, their seconds, steps at N, their seconds) per minute]}} over the
+    minutes in [since, until) in which one instance ran both plain decode steps and steps at N at
+    that bucket: the pairs a noise-proof cost ratio is taken from (``tuner/paired_cost.py``).  Pairs
+    never span instances: a machine's drift is its own."""
+    per_minute: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for r in _within(rows, since, until):
+        side = per_minute[(r.minute, r.instance, r.bucket)][r.n]
+        side[0] += r.steps
+        side[1] += r.time_s
+    out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for (_, _, bucket), sides in sorted(per_minute.items()):
+        plain = sides.get(0)
+        if plain is None or not plain[0]:
+            continue
+        for n, (steps, time_s) in sides.items():
+            if n > 0 and steps:
+                out[bucket][n].append((plain[0], plain[1], steps, time_s))
+    return {b: dict(per) for b, per in out.items()}
 
 
 def drafting_share_of(rows: list[StepMinute], since: datetime, until: datetime | None = None) -> dict[int, dict]:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectune.tuner.goodput import choose_n, costs_by_bucket, expected_tokens, position_acceptance, speedup
+from spectune.tuner.cost import costs_by_bucket
+from spectune.tuner.goodput import choose_n, expected_tokens, position_acceptance, speedup
 
 alpha = st.floats(0.0, 0.99)
 cost = st.floats(0.0, 1.0)
@@ -65,8 +66,8 @@ def test_break_even_speculation_goes_off_and_needs_the_full_gain_to_come_back():
 
 def test_the_busiest_bucket_goes_plain_where_the_class_n_only_breaks_even():
     from spectune.engine.schema import BatchRange, n_for_batch
+    from spectune.tuner.cost import CostFit
     from spectune.tuner.decide import decide_batch_table
-    from spectune.tuner.goodput import CostFit
 
     on_at_8 = [BatchRange(min_batch=5, max_batch=8, num_speculative_tokens=1)]
     policy = _policy(n_min=0, n_max=8).model_copy(update={"batch_table": on_at_8})
@@ -162,8 +163,8 @@ def test_cost_per_bucket_fits_borrows_and_falls_back():
 
 
 def test_batch_table_switches_off_where_verification_is_dear():
+    from spectune.tuner.cost import CostFit
     from spectune.tuner.decide import decide_batch_table
-    from spectune.tuner.goodput import CostFit
 
     policy = _policy(n_min=0, n_max=8)
     alphas = [0.8] * 8
@@ -197,7 +198,7 @@ def test_a_borrowed_cost_grows_with_what_one_more_sequence_costs_a_plain_step():
 @settings(max_examples=200, deadline=None)
 @given(st.floats(0.01, 0.2), st.floats(0.0, 0.05), st.floats(0.0, 1.0), st.sampled_from([2, 4, 8, 16]))
 def test_a_larger_bucket_never_borrows_a_cheaper_cost(t0, slope, c_ref, bucket):
-    from spectune.tuner.goodput import scaled_cost_ratio
+    from spectune.tuner.cost import scaled_cost_ratio
 
     c = scaled_cost_ratio(c_ref, 1, t0, bucket, t0 + slope * (bucket - 1), slope)
     assert c >= c_ref - 1e-12
@@ -205,8 +206,8 @@ def test_a_larger_bucket_never_borrows_a_cheaper_cost(t0, slope, c_ref, bucket):
 
 def test_batches_never_measured_run_plain_and_a_borrowed_model_needs_a_margin_to_go_on():
     from spectune.engine.schema import n_for_batch
+    from spectune.tuner.cost import CostFit
     from spectune.tuner.decide import decide_batch_table
-    from spectune.tuner.goodput import CostFit
 
     policy = _policy(n_min=0, n_max=8)
     table = decide_batch_table(policy, [0.8] * 8, {1: CostFit(0.1, 0.1, "fit", {0: 0.1})}, class_n=3, class_bucket=1)
@@ -229,8 +230,8 @@ def test_batches_never_measured_run_plain_and_a_borrowed_model_needs_a_margin_to
 
 def test_the_busiest_bucket_runs_plain_where_the_class_n_does_not_pay_there():
     from spectune.engine.schema import n_for_batch
+    from spectune.tuner.cost import CostFit
     from spectune.tuner.decide import decide_batch_table
-    from spectune.tuner.goodput import CostFit
 
     costs = {1: CostFit(0.1, 0.1, "fit", {0: 0.1}), 8: CostFit(0.14, 1.5, "fit", {0: 0.14, 3: 0.77})}
     table = decide_batch_table(_policy(n_min=0, n_max=8), [0.7] * 8, costs, class_n=3, class_bucket=8)
@@ -241,8 +242,8 @@ def test_the_busiest_bucket_runs_plain_where_the_class_n_does_not_pay_there():
 @given(alpha, st.floats(0.0, 0.5), st.floats(0.0, 2.0))
 def test_batch_table_never_gives_a_dearer_bucket_a_larger_n(a, cheap, extra):
     from spectune.engine.schema import n_for_batch
+    from spectune.tuner.cost import CostFit
     from spectune.tuner.decide import decide_batch_table
-    from spectune.tuner.goodput import CostFit
 
     policy = _policy(n_min=0, n_max=8, min_gain=0.0)
     costs = {1: CostFit(0.1, cheap, "fit"), 8: CostFit(0.3, cheap + extra, "fit")}
@@ -260,7 +261,7 @@ def test_a_shift_in_acceptance_is_detected_and_noise_is_not():
 
 
 def test_baseline_names_where_the_plain_step_came_from():
-    from spectune.tuner.goodput import CostFit, baseline
+    from spectune.tuner.cost import CostFit, baseline
 
     measured = baseline(CostFit(0.10, 0.2, "fit", {0: 0.12, 3: 0.2}), 4)
     assert measured["kind"] == "measured_plain_steps" and measured["t0_s"] == 0.12 and measured["batch_bucket"] == 4
@@ -270,7 +271,8 @@ def test_baseline_names_where_the_plain_step_came_from():
 
 
 def test_prompts_dilute_the_gain_and_the_drafters_prefill_can_turn_it_into_a_loss():
-    from spectune.tuner.goodput import CostFit, PrefillCost, wall_speedup
+    from spectune.tuner.cost import CostFit, PrefillCost
+    from spectune.tuner.goodput import wall_speedup
 
     # Like the demo pair at batch 8 here: N=1 gains 1.11x over decode steps alone, but prompts take
     # ~40 % of plain serving's time and the drafter adds ~30 % to every prefill.
@@ -297,7 +299,8 @@ def test_prompts_dilute_the_gain_and_the_drafters_prefill_can_turn_it_into_a_los
     st.floats(0.0, 0.1), st.floats(0.0, 0.1),
 )  # fmt: skip
 def test_wall_speedup_lies_between_the_prompt_only_and_the_decode_only_ratio(e, t0, ratio, batch, off, on):
-    from spectune.tuner.goodput import PrefillCost, wall_speedup
+    from spectune.tuner.cost import PrefillCost
+    from spectune.tuner.goodput import wall_speedup
 
     wall = wall_speedup(e, t0, t0 * ratio, PrefillCost(batch, off, on))
     decode_only = e / ratio
@@ -306,7 +309,8 @@ def test_wall_speedup_lies_between_the_prompt_only_and_the_decode_only_ratio(e, 
 
 
 def test_demoted_requests_dilute_what_a_step_at_n_yields():
-    from spectune.tuner.goodput import CostFit, expected_tokens, measured_speedups, speedup
+    from spectune.tuner.cost import CostFit
+    from spectune.tuner.goodput import expected_tokens, measured_speedups, speedup
 
     alphas = [0.8, 0.7, 0.6]
     every = CostFit(0.10, 0.2, "fit", {0: 0.10, 1: 0.12, 3: 0.16})
@@ -322,7 +326,7 @@ def test_demoted_requests_dilute_what_a_step_at_n_yields():
 
 
 def test_an_unmeasured_n_is_explored_only_where_the_model_says_it_beats_plain():
-    from spectune.tuner.goodput import CostFit
+    from spectune.tuner.cost import CostFit
 
     def at_n1(cost_ratio: float):
         fit = CostFit(1.0, cost_ratio, "fit", measured={0: 1.0, 1: 1.35})

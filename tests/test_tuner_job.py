@@ -431,3 +431,24 @@ def test_an_on_class_whose_table_keeps_its_busiest_bucket_plain_is_opened_there_
     now[0] += 60
     qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
     assert qa["action"] == "off" and qa["applied"], qa["inputs"]["reason"]  # no cooldown after the opening
+
+
+def test_the_cost_comes_from_minutes_that_ran_both_sides_where_the_machine_drifted(tmp_path):
+    from spectune.tuner.paired_cost import ESTIMATOR
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), n_min=1, n_max=4)
+    # Three minutes ran plain and N=3 steps side by side (N=3 costs 1.2x); then the machine got 3x
+    # slower (a neighbour) while only N=3 ran.  The means of each side say N=3 costs 3.4x: off.
+    for k in (6, 5, 4):
+        _steps(db, now[0] - 60 * k, {1: {0: 0.10, 3: 0.12}})
+    for k in (3, 2, 1):
+        _steps(db, now[0] - 60 * k, {1: {3: 0.36}}, steps=2000)
+    insert_records(db, _good_records(40, now[0] - 30, "a"))
+    (row,) = tuner.run_once()
+    paired = row["inputs"]["costs"]["1"]["paired_ratio"]["3"]
+    assert paired["ratio"] == pytest.approx(1.2) and paired["minutes"] == 3
+    assert paired["low"] == pytest.approx(1.2) and paired["high"] == pytest.approx(1.2)  # the minutes agree
+    assert row["action"] != "off" and row["n_after"] == 3, row["inputs"]["reason"]  # (larger batches: plain)
+    low, high = row["inputs"]["predicted_interval"]
+    assert low == pytest.approx(row["predicted_speedup"]) == pytest.approx(high) and row["predicted_speedup"] > 2
+    assert row["inputs"]["speedup_estimator"] == ESTIMATOR

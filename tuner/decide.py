@@ -17,7 +17,8 @@ from typing import Literal
 
 from spectune.engine.schema import BatchRange, n_for_batch
 
-from .goodput import MIN_TRIALS, CostFit, bucket_sizes, choose_n, position_acceptance, speedup, stay_margin
+from .cost import CostFit
+from .goodput import MIN_TRIALS, bucket_sizes, choose_n, position_acceptance, speedup, stay_margin
 from .policy import MAX_BATCH, Policy, overlay
 
 # explore, cost_probe and reprobe are measurements: they do not start a cooldown.
@@ -71,9 +72,10 @@ def decide_class(
         position_samples=est.samples,
     )
     if not enabled:
-        # Off: data come from probe requests. Back on only with margin, at the best N.
-        best = choice.best_n
-        if best > 0 and choice.best_speedup > 1 + reprobe_margin:
+        # Off: data come from probe requests. Back on only with margin, at the best N, and only where
+        # the lower bound of its speedup (paired cost interval) beats plain too: first, do no harm.
+        best, low = choice.best_n, choice.best_low
+        if best > 0 and choice.best_speedup > 1 + reprobe_margin and (low is None or low > 1):
             n = max(policy.n_min, min(best, policy.n_max))
             return ClassDecision(
                 "on",
@@ -84,7 +86,10 @@ def decide_class(
                 False,
                 f"probes predict {choice.best_speedup:.2f}x at N={n} (> 1 + {reprobe_margin:.0%})",
             )
-        return ClassDecision("keep", False, current, choice.best_speedup, rate, False, "still does not pay")
+        why = "still does not pay"
+        if best > 0 and choice.best_speedup > 1 + reprobe_margin:
+            why = f"probes predict {choice.best_speedup:.2f}x at N={best}, but its lower bound {low:.2f}x: stay off"
+        return ClassDecision("keep", False, current, choice.best_speedup, rate, False, why)
     # Off only when no N pays here; a draft that merely accepts less runs at a smaller N instead.
     if here < 1.0 and choice.best_n == 0 and (rate < policy.acceptance_floor or not pays_elsewhere):
         low = rate < policy.acceptance_floor

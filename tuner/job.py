@@ -49,19 +49,18 @@ from spectune.store.leader import LeaderLease, StaleLeaderError
 from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
 
+from .cost import CostFit, PrefillCost, baseline, costs_by_bucket
 from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, drafts_at, open_for_probes
 from .goodput import (
-    CostFit,
-    PrefillCost,
     acceptance_shifted,
-    baseline,
     busiest_bucket,
     choose_n,
-    costs_by_bucket,
     measured_speedups,
     position_acceptance,
     speedup,
+    speedup_interval,
 )
+from .paired_cost import ESTIMATOR, RatioEstimate, paired_ratios
 from .policy import Policy, PolicyDocument, TunerMode, draft_key, effective_policy
 
 log = logging.getLogger(__name__)
@@ -96,6 +95,7 @@ class _Reads:
     steps: dict[int, int]
     busiest: int | None
     drafting: dict[int, dict[int, float]]  # share of requests that drafted, per bucket and N
+    paired: dict[int, dict[int, RatioEstimate]]  # t(N) / t(0) from paired minutes, per bucket and N
 
 
 def _prefill(rows: list[inputs.StepMinute], since: datetime, until: datetime) -> dict[int, PrefillCost]:
@@ -215,6 +215,7 @@ class Tuner:
             steps=steps,
             busiest=busiest_bucket(traffic),
             drafting=inputs.drafting_share_of(minutes, now - self.window, now),
+            paired=paired_ratios(inputs.paired_of(minutes, now - self.cost_window, now)),
         )
 
     def _acceptance(self, cls: str, reads: _Reads) -> tuple[list[int], list[int], bool]:
@@ -237,7 +238,12 @@ class Tuner:
         drafted, accepted, shifted = self._acceptance(cls, reads)
         busiest, steps = reads.busiest, reads.steps
         costs = costs_by_bucket(
-            reads.times, policy.draft_cost_prior, reads.counts, prefill=reads.prefill, drafting=reads.drafting
+            reads.times,
+            policy.draft_cost_prior,
+            reads.counts,
+            prefill=reads.prefill,
+            drafting=reads.drafting,
+            paired=reads.paired,
         )
         here_cost = costs.get(busiest, policy.draft_cost_prior)
         alphas = list(position_acceptance(drafted, accepted).mean) if drafted else None
@@ -287,6 +293,7 @@ class Tuner:
         predicted = d.predicted_speedup
         if alphas is not None and action != "off":
             predicted = speedup(alphas, after, here_cost)
+        interval = None if alphas is None else speedup_interval(alphas, after, here_cost)
         apply = action != "keep" and policy.tuner_mode == TunerMode.AUTO
         override = None
         if apply:
@@ -322,12 +329,15 @@ class Tuner:
                         "measured_s": {str(n): t for n, t in c.measured.items()},
                         "prefill_s_per_token": None if c.prefill is None else asdict(c.prefill),
                         "drafting_share": {str(n): k for n, k in c.drafting_share.items()},
+                        "paired_ratio": {str(n): asdict(e) for n, e in c.paired.items()},
                     }
                     for b, c in costs.items()
                 },
                 "baseline": baseline(here_cost, busiest),
                 "batch_table": [e.model_dump() for e in table],
                 "cost_probes": sorted(probes),
+                "predicted_interval": interval,
+                "speedup_estimator": ESTIMATOR if interval else "point: no paired minutes at this N (see costs)",
                 "in_force_speedup": None if alphas is None else speedup(alphas, after if apply else before, here_cost),
                 "reason": reason,
                 "policy_version": version,
