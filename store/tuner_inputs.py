@@ -117,19 +117,17 @@ def paired_of(
     minutes in [since, until) in which one instance ran both plain decode steps and steps at N at
     that bucket: the pairs a noise-proof cost ratio is taken from (``tuner/paired_cost.py``).  Pairs
     never span instances: a machine's drift is its own."""
-    per_minute: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
-    for r in _within(rows, since, until):
-        side = per_minute[(r.minute, r.instance, r.bucket)][r.n]
-        side[0] += r.steps
-        side[1] += r.time_s
+    sides: dict[tuple, dict[int, StepMinute]] = defaultdict(dict)
+    for r in _within(rows, since, until):  # one row per minute, instance, bucket and N (step_minutes)
+        sides[(r.minute, r.instance, r.bucket)][r.n] = r
     out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    for (_, _, bucket), sides in sorted(per_minute.items()):
-        plain = sides.get(0)
-        if plain is None or not plain[0]:
+    for (_, _, bucket), per_n in sorted(sides.items()):
+        plain = per_n.get(0)
+        if plain is None or not plain.steps:
             continue
-        for n, (steps, time_s) in sides.items():
-            if n > 0 and steps:
-                out[bucket][n].append((plain[0], plain[1], steps, time_s))
+        for n, r in per_n.items():
+            if n > 0 and r.steps:
+                out[bucket][n].append((plain.steps, plain.time_s, r.steps, r.time_s))
     return {b: dict(per) for b, per in out.items()}
 
 

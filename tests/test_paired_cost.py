@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from spectune.store.tuner_inputs import StepMinute, paired_of
 from spectune.tuner.cost import CostFit, fit_cost
 from spectune.tuner.decide import decide_class
-from spectune.tuner.goodput import choose_n, lower_bound, speedup, speedup_interval
+from spectune.tuner.goodput import choose_n, speedup, speedup_bounds, speedup_interval
 from spectune.tuner.paired_cost import MIN_PAIRED_MINUTES, paired_ratio, paired_ratios, t_quantile
 from spectune.tuner.policy import Policy
 
@@ -164,7 +164,7 @@ def test_a_move_needs_its_lower_bound_to_beat_what_runs():
     assert low < here < high
     go = choose_n(ALPHAS, CostFit(T0, 0.25, "fit", {0: T0}, paired={4: narrow}), 2, 1, 4)
     assert go.n == 4
-    assert lower_bound(ALPHAS, 2, point) == here  # no interval: the point
+    assert speedup_bounds(ALPHAS, 2, point) == (here, here)  # no interval: the point, both ends
 
 
 def test_an_off_class_comes_back_on_only_when_the_lower_bound_beats_plain():

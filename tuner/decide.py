@@ -75,7 +75,8 @@ def decide_class(
         # Off: data come from probe requests. Back on only with margin, at the best N, and only where
         # the lower bound of its speedup (paired cost interval) beats plain too: first, do no harm.
         best, low = choice.best_n, choice.best_low
-        if best > 0 and choice.best_speedup > 1 + reprobe_margin and (low is None or low > 1):
+        pays = best > 0 and choice.best_speedup > 1 + reprobe_margin
+        if pays and (low is None or low > 1):
             n = max(policy.n_min, min(best, policy.n_max))
             return ClassDecision(
                 "on",
@@ -87,7 +88,7 @@ def decide_class(
                 f"probes predict {choice.best_speedup:.2f}x at N={n} (> 1 + {reprobe_margin:.0%})",
             )
         why = "still does not pay"
-        if best > 0 and choice.best_speedup > 1 + reprobe_margin:
+        if pays:  # its lower bound is what kept it off
             why = f"probes predict {choice.best_speedup:.2f}x at N={best}, but its lower bound {low:.2f}x: stay off"
         return ClassDecision("keep", False, current, choice.best_speedup, rate, False, why)
     # Off only when no N pays here; a draft that merely accepts less runs at a smaller N instead.

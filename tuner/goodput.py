@@ -153,16 +153,14 @@ def speedup_interval(alphas: Sequence[float], n: int, cost: float | CostFit) -> 
     return speedup(alphas, n, cost, "high"), speedup(alphas, n, cost, "low")
 
 
-def lower_bound(alphas: Sequence[float], n: int, cost: float | CostFit) -> float:
-    """The pessimistic speedup at N: its interval's low end, or the point where it has none."""
+def speedup_bounds(alphas: Sequence[float], n: int, cost: float | CostFit) -> tuple[float, float]:
+    """(pessimistic, optimistic) speedup at N: its interval, or the point twice where it has none
+    (plain: exactly 1)."""
     interval = speedup_interval(alphas, n, cost)
-    return speedup(alphas, n, cost) if interval is None else interval[0]
-
-
-def upper_bound(alphas: Sequence[float], n: int, cost: float | CostFit) -> float:
-    """The optimistic speedup at N: its interval's high end, or the point (plain: exactly 1)."""
-    interval = speedup_interval(alphas, n, cost)
-    return speedup(alphas, n, cost) if interval is None else interval[1]
+    if interval is None:
+        point = speedup(alphas, n, cost)
+        return point, point
+    return interval
 
 
 def stay_margin(min_gain: float) -> float:
@@ -202,7 +200,7 @@ def choose_n(
     extrapolates; one interval there replaces the guess with a measurement).
 
     First, do no harm: a move to another N > 0 (back on from off included) also needs the lower
-    bound of its speedup (``lower_bound``: its paired cost interval's dear end) to beat the upper
+    bound of its speedup (``speedup_bounds``: its paired cost interval's dear end) to beat the upper
     bound of what runs now (plain: 1), so a cost stream that is merely noisy widens the intervals
     and keeps N; a real change separates them.  Going off needs no
     bound: plain serving is the baseline itself, and off is free.
@@ -212,7 +210,7 @@ def choose_n(
     candidates = sorted({0, *range(max(1, n_min), n_max + 1)})
     scores = {n: speedup(alphas, n, cost) for n in candidates}
     best = max(candidates, key=lambda n: (round(scores[n], 9), -n))  # ties: the smaller N
-    best_low = lower_bound(alphas, best, cost)
+    best_low = speedup_bounds(alphas, best, cost)[0]
     here = scores.get(current, speedup(alphas, current, cost))
     if current > 0 and max(scores[n] for n in candidates if n > 0) < 1 + stay_margin(min_gain):
         # Nothing beats plain by the stay margin: the model's error is larger than such a gain.
@@ -240,7 +238,8 @@ def choose_n(
     else:
         target = current + max(-max_step, min(max_step, best - current))
     predicted = scores.get(target, speedup(alphas, target, cost))
-    if target > 0 and (low := lower_bound(alphas, target, cost)) <= (high := upper_bound(alphas, current, cost)):
+    low, high = speedup_bounds(alphas, target, cost)[0], speedup_bounds(alphas, current, cost)[1]
+    if target > 0 and low <= high:
         why = (f"N={target} predicts {predicted:.2f}x, but its lower bound {low:.2f}x does not beat "
                f"{high:.2f}x, the upper bound at N={current}: stay")  # fmt: skip
         return Decision(current, here, best, scores[best], why, best_low=best_low)
