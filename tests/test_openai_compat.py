@@ -238,18 +238,25 @@ def test_stream_cut_by_the_client_is_recorded_as_aborted(servers):
     # The cut must reach the server before the engine has written the whole stream: the request runs as
     # long as the model allows, and eight streams beside it slow every step.  They run in another
     # process: reader threads in this one could hold the GIL while the cutting client waits for it.
+    # It says "streaming" once all eight have had tokens: cuts made before that (its interpreter still
+    # starting on a loaded host) met an idle engine that wrote 500 tokens in 0.8 s (ci-local, 3 of 3).
     beside = (
         "import asyncio, httpx, json, sys\n"
-        "async def one(client):\n"
+        "streaming = set()\n"
+        "async def one(client, k):\n"
         f"    async with client.stream('POST', '{ours}/v1/completions', json={body!r}) as r:\n"
-        "        async for _ in r.aiter_lines(): pass\n"
+        "        async for line in r.aiter_lines():\n"
+        "            if len(streaming) < 8 and line.startswith('data: '):\n"
+        "                streaming.add(k)\n"
+        "                if len(streaming) == 8: print('streaming', flush=True)\n"
         "async def main():\n"
         f"    async with httpx.AsyncClient(timeout=300, headers={AUTH!r}) as client:\n"
-        "        while True: await asyncio.gather(*(one(client) for _ in range(8)))\n"
+        "        while True: await asyncio.gather(*(one(client, k) for k in range(8)))\n"
         "asyncio.run(main())\n"
     )
-    load = subprocess.Popen([sys.executable, "-c", beside])
+    load = subprocess.Popen([sys.executable, "-c", beside], stdout=subprocess.PIPE, text=True)
     try:
+        assert load.stdout.readline().strip() == "streaming", "the streams beside never got tokens"
         seen = []
         for _ in range(3):  # when the server notices a cut is up to its event loop: one in three must be seen
             with (
