@@ -12,6 +12,8 @@ from sqlalchemy import select
 from spectune.store.db import make_engine
 from spectune.store.models import RequestRecordRow
 
+from servers import wait_for
+
 
 def _scrape(base: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{base}/metrics", timeout=10).text
@@ -70,11 +72,16 @@ def test_metrics_move_with_requests(served):
     assert vllm_drafted == drafted
     assert not any("request_id" in dict(labels) for (_, labels) in after)  # low cardinality
 
-    db = make_engine(served.db)
-    with db.connect() as conn:
-        rows = conn.execute(select(RequestRecordRow.output_tokens, RequestRecordRow.num_accepted_tokens)).all()
-    db.dispose()
-    assert sum(1 for r in rows if r.output_tokens == 9) >= 3
+    # The metrics move when a record is spooled; the shipper writes it to the database after that
+    # (ci-local on 7c46b3e read the table while 2 of the 3 were in): await the rows, a hang stop only.
+    def rows_of_nine_tokens() -> int:
+        db = make_engine(served.db)
+        with db.connect() as conn:
+            rows = conn.execute(select(RequestRecordRow.output_tokens)).all()
+        db.dispose()
+        return sum(1 for r in rows if r.output_tokens == 9)
+
+    wait_for(lambda: rows_of_nine_tokens() >= 3, 120, "the three records in the database")
     from spectune.store.models import EngineInstance
 
     db = make_engine(served.db)
