@@ -27,7 +27,7 @@ from typing import Any
 from . import drafter, faults, requests, stats, vllm_args
 from .classifier import PromptClassifier, UnknownClassError
 from .config import EngineConfig
-from .fidelity import Auditor
+from .fidelity import PLAIN_ARG, Auditor
 from .requests import EngineUnavailableError, GenerationRequest, InvalidRequestError
 from .schema import RuntimeSettings, StepRecord
 from .sinks import RecordSink, fan_out
@@ -345,8 +345,17 @@ class SpecEngine:
             n_now = settings.n_for(cls, self._last_batch + 1, self.capacity, probing=True) or settings.n_for(
                 cls, 1, self.capacity, probing=True
             )
+        # The control arm: served plain beside its speculating class, drawn only where it runs alone.  Its
+        # steps are then plain steps in the same minutes as the class's steps at N: the pairs its speedup is
+        # measured from.  Beside other requests it would measure nothing (the step drafts for them anyway).
+        control = not probe and n_now > 0 and not self._in_flight
+        control = control and random.random() < settings.control_fraction_for(cls)
+        if control:
+            n_now = 0
         params = copy.copy(params)  # vLLM clones it again on admission; only extra_args is replaced here
         params.extra_args = {**(params.extra_args or {}), "spectune_class": cls, "spectune_probe": probe}
+        if control:
+            params.extra_args[PLAIN_ARG] = True
         asked = copy.copy(params)  # what a replay must ask for (before the audit's logprobs)
         audit = self.auditor.choose(cls, params, n_now, settings) if record else None
         state = RequestTelemetry(arrival, prompt_tokens, deltas=params.output_kind == RequestOutputKind.DELTA)

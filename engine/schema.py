@@ -75,6 +75,7 @@ class ClassSettings(BaseModel):
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     batch_table: list[BatchRange] | None = None
     probe_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    control_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     audit_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
@@ -104,6 +105,14 @@ class RuntimeSettings(BaseModel):
         le=1.0,
         description="Share of requests of a switched-off class that still speculate, so that "
         "acceptance keeps being measured and speculation can come back",
+    )
+    control_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of requests of a speculating class served plain beside it (the control arm): "
+        "run alone, their steps are plain steps in the same minutes as the class's steps at N, which is what "
+        "its speedup over plain is measured from",
     )
     audit_fraction: float = Field(
         default=0.0,
@@ -155,16 +164,18 @@ class RuntimeSettings(BaseModel):
         return max(0, min(n_for_batch(table or [], batch_size, n), capacity))
 
     def probe_fraction_for(self, prompt_class: str) -> float:
-        override = self.classes.get(prompt_class)
-        if override is not None and override.probe_fraction is not None:
-            return override.probe_fraction
-        return self.probe_fraction
+        return self._share(prompt_class, "probe_fraction")
+
+    def control_fraction_for(self, prompt_class: str) -> float:
+        return self._share(prompt_class, "control_fraction")
 
     def audit_fraction_for(self, prompt_class: str) -> float:
-        override = self.classes.get(prompt_class)
-        if override is not None and override.audit_fraction is not None:
-            return override.audit_fraction
-        return self.audit_fraction
+        return self._share(prompt_class, "audit_fraction")
+
+    def _share(self, prompt_class: str, name: str) -> float:
+        """A class's own value of a share, else the global one."""
+        own = getattr(self.classes.get(prompt_class), name, None)
+        return getattr(self, name) if own is None else own
 
 
 class RequestRecord(BaseModel):

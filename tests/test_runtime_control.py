@@ -125,6 +125,26 @@ async def test_an_off_class_probe_drafts_where_the_table_lets_it_whatever_batch_
     assert probe.num_draft_tokens > 0 and probe.num_speculative_tokens == 4, probe  # alone: the class N
 
 
+async def test_a_control_request_of_a_speculating_class_runs_plain_steps(engine):
+    """The control arm: a speculating class's control request drafts nothing, and alone its steps are
+    plain steps (what its speedup over plain is paired against); the class's other requests draft."""
+    eng, sink = engine
+    from spectune.engine import ClassSettings
+
+    controlled = ClassSettings(speculation_enabled=True, control_fraction=1.0)
+    await eng.apply(RuntimeSettings(version=30, num_speculative_tokens=4, classes={"qa": controlled}))
+    steps_before = len(sink.steps)
+    _, _, rid = await complete(eng, "short question", 20, temperature=0.0, ignore_eos=True)
+    control = next(r for r in sink.records if r.request_id == rid)
+    assert control.num_draft_tokens == 0 and not control.speculation_enabled, control
+    decode = [s for s in list(sink.steps)[steps_before:] if s.num_decode_requests]
+    assert decode and all(s.num_speculative_tokens == 0 for s in decode), decode
+    await eng.apply(RuntimeSettings(version=31, num_speculative_tokens=4, control_fraction=0.0))
+    _, _, rid = await complete(eng, "short question", 20, temperature=0.0, ignore_eos=True)
+    served = next(r for r in sink.records if r.request_id == rid)
+    assert served.num_draft_tokens > 0 and served.num_speculative_tokens == 4, served
+
+
 @pytest.mark.slow  # the default tier rebuilds under load in tests/test_tuner_engine.py
 async def test_rebuild_under_load_fails_nothing(engine, tiny):
     eng, sink = engine

@@ -47,6 +47,8 @@ class PolicyOverride(BaseModel):
     tuner_mode: TunerMode | None = None
     cooldown_s: float | None = Field(default=None, ge=0.0, le=86_400.0)
     exploration_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    control_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    control_budget: float | None = Field(default=None, ge=0.0, le=0.5)
     diagnosis_acceptance_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     diagnosis_min_requests: int | None = Field(default=None, ge=1, le=1_000_000)
     draft_cost_prior: float | None = Field(default=None, ge=0.0, le=5.0)
@@ -75,6 +77,21 @@ class Policy(BaseModel):
     tuner_mode: TunerMode = TunerMode.AUTO
     cooldown_s: float = Field(default=300.0, ge=0.0, le=86_400.0)
     exploration_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    control_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of a speculating class's requests served plain where they run alone (control "
+        "requests: the speedup measured against plain comes from them).  With control_budget > 0 the "
+        "tuner sets it with every change it applies",
+    )
+    control_budget: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=0.5,
+        description="Share of a speculating class's tokens/s its control requests may cost: the tuner sets "
+        "control_fraction = budget / ((1 - budget)(speedup - 1)), at most 25 %.  0: it leaves control_fraction be",
+    )
     diagnosis_acceptance_threshold: float = Field(default=0.70, ge=0.0, le=1.0)
     diagnosis_min_requests: int = Field(default=50, ge=1, le=1_000_000)
     draft_cost_prior: float = Field(
@@ -219,6 +236,7 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
             num_speculative_tokens=p.num_speculative_tokens,
             batch_table=batch_table(p),
             probe_fraction=p.exploration_fraction,
+            control_fraction=p.control_fraction,
             audit_fraction=p.fidelity_audit_fraction,
         )
     return RuntimeSettings(
@@ -228,6 +246,7 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
         batch_table=batch_table(base),
         classes=per_class,
         probe_fraction=base.exploration_fraction,
+        control_fraction=base.control_fraction,
         audit_fraction=base.fidelity_audit_fraction,
         near_tie_nats=base.fidelity_near_tie_nats,
         classifier=doc.classifier,
