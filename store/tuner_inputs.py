@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -113,21 +114,52 @@ def throughput_of(
 def paired_of(
     rows: list[StepMinute], since: datetime, until: datetime | None = None
 ) -> dict[int, dict[int, list[tuple[int, float, int, float]]]]:
-    """{bucket: {N: [(plain steps, their seconds, steps at N, their seconds) per minute]}} over the
-    minutes in [since, until) in which one instance ran both plain decode steps and steps at N at
-    that bucket: the pairs a noise-proof cost ratio is taken from (``tuner/paired_cost.py``).  Pairs
-    never span instances: a machine's drift is its own."""
+    """{bucket: {N: [(plain steps, their seconds, steps at N, their seconds) per minute]}}: the decode
+    steps of ``paired_minutes`` -- what a noise-proof cost ratio is taken from (``tuner/paired_cost.py``)."""
+    return _per_bucket_n(
+        (b, n, (p.steps, p.time_s, r.steps, r.time_s)) for b, n, p, r in paired_minutes(rows, since, until)
+    )
+
+
+def paired_throughput_of(
+    rows: list[StepMinute], since: datetime, until: datetime | None = None
+) -> dict[int, dict[int, list[tuple[int, float, int, float, int, int]]]]:
+    """{bucket: {N: [(plain steps, seconds, steps at N, seconds, plain tokens, tokens at N) per minute]}}:
+    every step of ``paired_minutes``, prompts' steps included (as ``throughput_of``) -- what the
+    measured speedup over plain is taken from."""
+
+    def side(r: StepMinute) -> tuple[int, float, int]:
+        return r.steps + r.prefill_steps, r.time_s + r.prefill_time_s, r.batch_sum + r.accepted + r.prefill_generated
+
+    out = []
+    for b, n, p, r in paired_minutes(rows, since, until):
+        (s0, t0, g0), (sn, tn, gn) = side(p), side(r)
+        out.append((b, n, (s0, t0, sn, tn, g0, gn)))
+    return _per_bucket_n(out)
+
+
+def paired_minutes(
+    rows: list[StepMinute], since: datetime, until: datetime | None = None
+) -> list[tuple[int, int, StepMinute, StepMinute]]:
+    """(bucket, N, plain row, row at N) for every minute in [since, until) in which one instance ran
+    both plain decode steps and steps at N at that bucket.  Pairs never span instances: a machine's
+    drift is its own."""
     sides: dict[tuple, dict[int, StepMinute]] = defaultdict(dict)
     for r in _within(rows, since, until):  # one row per minute, instance, bucket and N (step_minutes)
         sides[(r.minute, r.instance, r.bucket)][r.n] = r
-    out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    out = []
     for (_, _, bucket), per_n in sorted(sides.items()):
         plain = per_n.get(0)
         if plain is None or not plain.steps:
             continue
-        for n, r in per_n.items():
-            if n > 0 and r.steps:
-                out[bucket][n].append((plain.steps, plain.time_s, r.steps, r.time_s))
+        out.extend((bucket, n, plain, r) for n, r in per_n.items() if n > 0 and r.steps)
+    return out
+
+
+def _per_bucket_n(items: Iterable[tuple[int, int, tuple]]) -> dict[int, dict[int, list[tuple]]]:
+    out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for bucket, n, value in items:
+        out[bucket][n].append(value)
     return {b: dict(per) for b, per in out.items()}
 
 

@@ -7,6 +7,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import insert
 
 from spectune.engine.schema import BatchRange
 from spectune.store.db import insert_records, make_engine, upgrade
@@ -139,7 +140,7 @@ def _steps(db, minute, per_bucket: dict[int, dict[int, float]], steps: int = 200
 
 
 def _clocked_tuner(tmp_path, interval: timedelta, changes: list | None = None, **policy):
-    """A tuner on a fresh SQLite store and a hand-moved clock (``now[0]``), cooldown 0."""
+    """A tuner on a fresh SQLite store and a hand-moved clock (``now[0]``), cooldown 0 unless ``policy`` says."""
     from datetime import UTC, datetime
 
     url = f"sqlite:///{tmp_path}/t.db"
@@ -149,7 +150,9 @@ def _clocked_tuner(tmp_path, interval: timedelta, changes: list | None = None, *
     clock = lambda: datetime.fromtimestamp(now[0], UTC)  # noqa: E731
     on_change = changes.append if changes is not None else (lambda _: None)
     tuner = Tuner(db, {"qa"}, on_change, interval=interval, clock=clock)
-    PolicyRepository(db, clock=clock).ensure(PolicyDocument(global_=Policy(cooldown_s=0, **policy)).body(), "test")
+    PolicyRepository(db, clock=clock).ensure(
+        PolicyDocument(global_=Policy(**{"cooldown_s": 0, **policy})).body(), "test"
+    )
     return db, tuner, now
 
 
@@ -452,3 +455,100 @@ def test_the_cost_comes_from_minutes_that_ran_both_sides_where_the_machine_drift
     low, high = row["inputs"]["predicted_interval"]
     assert low == pytest.approx(row["predicted_speedup"]) == pytest.approx(high) and row["predicted_speedup"] > 2
     assert row["inputs"]["speedup_estimator"] == ESTIMATOR
+
+
+def test_the_guard_puts_a_bucket_measured_slower_than_plain_to_plain_even_in_a_cooldown(tmp_path):
+    """Minutes that ran plain steps (control requests) beside steps at N=3: N=3 made 0.85x plain's
+    tokens/s.  The class was changed a minute ago (cooldown 300 s): the guard acts anyway, and the
+    decision row shows the measured speedup and its estimator."""
+    from spectune.store.models import TunerDecision
+    from spectune.tuner.paired_cost import SPEEDUP_ESTIMATOR
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), cooldown_s=300.0)
+    changed = dict(instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto", n_before=0, n_after=3,
+                   predicted_speedup=1.3, inputs={}, applied=True)  # fmt: skip
+    with db.begin() as conn:
+        conn.execute(insert(TunerDecision), [dict(changed, at=datetime.fromtimestamp(now[0] - 60, UTC), action="on")])
+    insert_records(db, _good_records(40, now[0] - 30, "a"))
+    for k in (4, 3, 2):  # 3.4 tokens a step at N=3 in 0.40 s, 1 token in 0.10 s plain; 3x drift between minutes
+        _steps(db, now[0] - 60 * k, {1: {0: 0.10 * k, 3: 0.40 * k}})
+    (row,) = tuner.run_once()
+    assert row["action"] == "guard" and row["applied"] and row["n_before"] == 3 and row["n_after"] == 0, row
+    measured = row["inputs"]["measured_speedup"]["1"]["3"]
+    assert measured["ratio"] == pytest.approx(0.85) and measured["minutes"] == 3
+    assert row["inputs"]["measured_estimator"] == SPEEDUP_ESTIMATOR
+    assert {"min_batch": 1, "max_batch": 1, "num_speculative_tokens": 0} in row["inputs"]["batch_table"]
+    now[0] += 60
+    assert tuner.run_once() == []  # now in the guard's own cooldown, and nothing left to guard at bucket 1
+
+
+def test_a_draft_measured_faster_than_plain_waits_out_its_cooldown(tmp_path):
+    from spectune.store.models import TunerDecision
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), cooldown_s=300.0)
+    changed = dict(instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto", n_before=0, n_after=3,
+                   predicted_speedup=1.3, inputs={}, applied=True, action="on")  # fmt: skip
+    with db.begin() as conn:
+        conn.execute(insert(TunerDecision), [dict(changed, at=datetime.fromtimestamp(now[0] - 60, UTC))])
+    insert_records(db, _good_records(40, now[0] - 30, "a"))
+    for k in (4, 3, 2):
+        _steps(db, now[0] - 60 * k, {1: {0: 0.10 * k, 3: 0.13 * k}})
+    assert tuner.run_once() == []
+
+
+@pytest.mark.parametrize("bucket", [1, 4])
+def test_an_off_class_is_reprobed_where_its_probes_run_alone(tmp_path, bucket):
+    """Seen in the replay on a drifting machine: a cost probe put batch 1 at N=0 for one interval, the
+    next run switched the class off (a cost timed in a slow minute), and that entry kept every probe
+    plain -- the class stayed off on its last acceptance for good.  At batch 1 a probe runs alone and
+    costs only itself: the tuner opens the bucket.  At batch 3-4 one probe would make the drafter run
+    over the whole batch: the table stands."""
+    from spectune.engine.schema import RuntimeSettings
+    from spectune.tuner.policy import runtime_settings
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1))
+    repo = PolicyRepository(db, clock=tuner.clock)
+    doc = repo.current().body
+    doc["global"]["cooldown_s"] = 300.0  # a reprobe must not start one
+    lo = 1 if bucket == 1 else 3
+    plain_here = BatchRange(min_batch=lo, max_batch=bucket, num_speculative_tokens=0)
+    doc["classes"] = {"qa": {"speculation_enabled": False, "batch_table": [plain_here.model_dump()]}}
+    repo.write(doc, repo.current().version, "tuner", "off after a cost probe", "replace")
+    insert_records(db, _qa_records(50, [3, 3, 3], [0, 0, 0], at=now[0] - 30))  # measured: it stays off
+    _steps(db, now[0] - 60, {bucket: {0: 0.10}})
+
+    def settings() -> RuntimeSettings:
+        current = repo.current()
+        return runtime_settings(PolicyDocument.model_validate(current.body), "i", {"qa"}, current.version)
+
+    assert settings().n_for("qa", bucket, capacity=6, probing=True) == 0  # locked out
+    qa = next(d for d in tuner.run_once() if d["prompt_class"] == "qa")
+    if bucket == 1:
+        assert qa["action"] == "reprobe" and qa["applied"], qa["inputs"]["reason"]
+        assert settings().n_for("qa", 1, capacity=6, probing=True) == 3 and settings().n_for("qa", 1, capacity=6) == 0
+    else:
+        assert qa["action"] == "keep" and not qa["applied"], qa["inputs"]["reason"]
+        assert settings().n_for("qa", bucket, capacity=6, probing=True) == 0
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.02])
+def test_the_tuner_pays_control_requests_from_the_class_budget(tmp_path, budget):
+    """An off class whose probes measure a draft that pays comes back on; with a control budget the
+    change also sets the share of its requests served plain from the speedup it predicts."""
+    from spectune.tuner.paired_cost import control_share
+
+    changes = []
+    db, tuner, now = _clocked_tuner(
+        tmp_path, timedelta(minutes=1), changes, speculation_enabled=False, n_min=1, n_max=3, control_budget=budget
+    )
+    for k in (4, 3, 2):
+        _steps(db, now[0] - 60 * k, {1: {0: 0.10, 3: 0.12}})
+    insert_records(db, _good_records(40, now[0] - 30, "a"))
+    (row,) = tuner.run_once()
+    assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]
+    (written,) = changes
+    qa = written.body["classes"]["qa"]
+    if budget:
+        assert qa["control_fraction"] == pytest.approx(control_share(budget, row["predicted_speedup"]), abs=1e-4)
+    else:
+        assert "control_fraction" not in qa  # the operator's share (default 0) stands

@@ -19,10 +19,14 @@ from spectune.engine.schema import BatchRange, n_for_batch
 
 from .cost import CostFit
 from .goodput import MIN_TRIALS, bucket_sizes, choose_n, position_acceptance, speedup, stay_margin
+from .paired_cost import RatioEstimate
 from .policy import MAX_BATCH, Policy, overlay
 
-# explore, cost_probe and reprobe are measurements: they do not start a cooldown.
-Action = Literal["keep", "set_n", "explore", "off", "on", "set_table", "cost_probe", "reprobe"]
+# explore, cost_probe and reprobe are measurements: they do not start a cooldown.  guard: the
+# speedup measured against plain is below 1 where the class drafts; it acts even in a cooldown.
+Action = Literal["keep", "set_n", "explore", "off", "on", "set_table", "cost_probe", "reprobe", "guard"]
+# {bucket: {N: tokens/s at N over plain tokens/s, from paired minutes}} (``paired_cost.paired_speedup``).
+Measured = dict[int, dict[int, RatioEstimate]]
 MIN_DRAFTS = MIN_TRIALS  # below this many first-position trials the prior dominates: decide nothing
 
 
@@ -110,6 +114,36 @@ def decide_class(
     return ClassDecision("keep", True, current, here, rate, False, choice.reason)
 
 
+def below_plain(measured: Measured, bucket: int, n: int) -> RatioEstimate | None:
+    """The measured speedup of N at ``bucket`` where even its upper bound is below plain, else None.
+    Measured beats modelled: whatever the goodput model predicts, N does not run there."""
+    est = measured.get(bucket, {}).get(n) if n > 0 else None
+    return est if est is not None and est.high < 1 else None
+
+
+def guard(
+    policy: Policy, measured: Measured, bucket: int | None, acceptance: float | None
+) -> tuple[ClassDecision, list[BatchRange]] | None:
+    """First, do no harm, measured: where the class drafts at ``bucket`` and serving there at that N
+    measured slower than plain in the same minutes (upper bound of its interval below 1), that
+    bucket runs plain from the next interval -- cooldown or not.  None where it does not apply."""
+    if bucket is None or not policy.speculation_enabled:
+        return None
+    n = n_for_batch(policy.batch_table, bucket, policy.num_speculative_tokens)
+    est = below_plain(measured, bucket, n)
+    if est is None:
+        return None
+    lo, hi = bucket_sizes(bucket)
+    table = overlay([BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=0)], policy.batch_table)
+    table = [e for e in table if e.num_speculative_tokens != policy.num_speculative_tokens]
+    why = (
+        f"guard: N={n} at batch bucket {bucket} measured {est.ratio:.2f}x of plain (90 % interval "
+        f"{est.low:.2f}-{est.high:.2f}x, {est.minutes} paired minutes): that bucket runs plain"
+    )
+    decision = ClassDecision("guard", True, policy.num_speculative_tokens, 1.0, acceptance, False, why)
+    return decision, table
+
+
 def drafts_at(policy: Policy, bucket: int) -> bool:
     """Whether a class's table drafts at ``bucket`` (an off class's probes obey it too)."""
     return n_for_batch(policy.batch_table, bucket, policy.num_speculative_tokens) > 0
@@ -137,6 +171,7 @@ def decide_batch_table(
     cost_probes: set[int] = frozenset(),
     class_bucket: int | None = None,
     on_margin: float = 0.1,
+    measured: Measured | None = None,
 ) -> list[BatchRange]:
     """N per batch bucket from the goodput model, as a batch-size table.
 
@@ -150,7 +185,8 @@ def decide_batch_table(
     N are dropped.  Batches above every measured bucket run plain until their
     steps are measured (verification only gets dearer with batch size, and the
     plain steps there are what the model needs); so does every batch above a
-    top bucket at N=0.
+    top bucket at N=0.  A bucket where an N measured slower than plain (``below_plain``) runs
+    plain rather than at that N.
     """
     current = policy.batch_table
     decided: dict[int, int] = {}
@@ -164,6 +200,8 @@ def decide_batch_table(
             decided[bucket] = class_n if speedup(alphas, class_n, cost) >= keep_above else 0
         elif cost.source != "prior":
             decided[bucket] = choose_n(alphas, cost, here, policy.n_min, policy.n_max, min_gain=gain).n
+        if measured and below_plain(measured, bucket, decided.get(bucket, 0)) is not None:
+            decided[bucket] = 0
     new: list[BatchRange] = []
     for bucket, n in decided.items():
         lo, hi = bucket_sizes(bucket)

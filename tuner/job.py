@@ -10,8 +10,12 @@ about the new one), decides per class (``decide_class``,
 ``auto`` mode writes the change into the policy (as actor ``tuner``, so it is
 versioned, audited and reversible like an operator's), which propagates to
 the engines.  ``advise`` records only; ``frozen`` does nothing.  A class
-changed less than ``cooldown_s`` ago is left alone.  When a class goes off
-for low acceptance, a draft diagnosis is started.
+changed less than ``cooldown_s`` ago is left alone -- except by the guard:
+where serving at the class's N measured slower than plain in the same minutes
+(``paired_cost.paired_speedup``, whole interval below 1; the plain side comes
+from control requests, cost probes and probes), its busiest bucket runs plain
+from the next interval.  When a class goes off for low acceptance, a draft
+diagnosis is started.
 
 Each run also closes earlier decisions: the *realised* speedup of a decision
 is ``wall_speedup`` of measured tokens per verify step (records), t0 and the
@@ -32,7 +36,6 @@ carry the epoch.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -49,19 +52,28 @@ from spectune.store.leader import LeaderLease, StaleLeaderError
 from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
 
-from .cost import CostFit, PrefillCost, baseline, costs_by_bucket
-from .decide import MIN_DRAFTS, ClassDecision, decide_batch_table, decide_class, drafts_at, open_for_probes
+from .cost import CostFit, baseline, costs_by_bucket
+from .decide import (
+    MIN_DRAFTS,
+    ClassDecision,
+    decide_batch_table,
+    decide_class,
+    drafts_at,
+    guard,
+    open_for_probes,
+)
 from .goodput import (
     acceptance_shifted,
-    busiest_bucket,
+    bucket_sizes,
     choose_n,
     measured_speedups,
     position_acceptance,
     speedup,
     speedup_interval,
 )
-from .paired_cost import ESTIMATOR, RatioEstimate, paired_ratios
+from .paired_cost import ESTIMATOR, SPEEDUP_ESTIMATOR, control_share
 from .policy import Policy, PolicyDocument, TunerMode, draft_key, effective_policy
+from .reads import RunReads, read_run
 
 log = logging.getLogger(__name__)
 
@@ -80,26 +92,6 @@ def _table_reason(old: list, new: list, probes: set[int], counts: dict[int, dict
             f"measured there; steps seen at N={seen})"
         )
     return f"batch table [{show(old)}] -> [{show(new)}]"
-
-
-@dataclass
-class _Reads:
-    """What one tuner run reads from the store (the history only when a class needs it)."""
-
-    window: dict[str, tuple[list[int], list[int]]]
-    recent: dict[str, tuple[list[int], list[int]]]
-    history: Callable[[], dict[str, tuple[list[int], list[int]]]]
-    times: dict[int, dict[int, float]]
-    counts: dict[int, dict[int, int]]
-    prefill: dict[int, PrefillCost]
-    steps: dict[int, int]
-    busiest: int | None
-    drafting: dict[int, dict[int, float]]  # share of requests that drafted, per bucket and N
-    paired: dict[int, dict[int, RatioEstimate]]  # t(N) / t(0) from paired minutes, per bucket and N
-
-
-def _prefill(rows: list[inputs.StepMinute], since: datetime, until: datetime) -> dict[int, PrefillCost]:
-    return {b: PrefillCost(**entry) for b, entry in inputs.prefill_of(rows, since, until).items()}
 
 
 def _utc_now() -> datetime:
@@ -147,14 +139,16 @@ class Tuner:
             policy = effective_policy(doc, None, cls)
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
-            if cls in changed_at and now - changed_at[cls] < timedelta(seconds=policy.cooldown_s):
-                continue
+            cooling = cls in changed_at and now - changed_at[cls] < timedelta(seconds=policy.cooldown_s)
             if cls in explored_at and now - explored_at[cls] < min(self.window, 3 * self.interval):
                 # Explorations are spaced: each needs a few intervals to be measured, and churn costs.
                 policy = policy.model_copy(update={"explore_margin": 0.0})
             # No second probe before the first one's steps are in the store.
             settling = cls in probed_at and now - probed_at[cls] < PROBE_SETTLE + self.interval
-            row, override = self._decide(cls, policy, reads, now, current.version, may_probe=not settling)
+            decided = self._decide(cls, policy, reads, now, current.version, may_probe=not settling, cooling=cooling)
+            if decided is None:
+                continue  # changed less than a cooldown ago, and the guard has nothing against it
+            row, override = decided
             row["leader_epoch"] = epoch
             if override is not None:
                 body.setdefault("classes", {}).setdefault(cls, {}).update(override)
@@ -192,33 +186,10 @@ class Tuner:
         self._draft_seen = (current.version, key, start)
         return floor if start is None else max(start, floor)
 
-    def _read(self, now: datetime, since: datetime) -> _Reads:
-        """The run's inputs.  The hour of acceptance history (read when the window holds too few
-        drafts) and the steps that drafted start at ``since``, when the draft in force came in:
-        another draft's say nothing about this one.  The window and the last interval are read as
-        they are -- right after a swap the last interval shows the change (``acceptance_shifted``),
-        and the records a draining engine finishes after the policy write are still the old draft's."""
-        minutes = [
-            m for m in inputs.step_minutes(self.db, now - self.cost_window, now) if m.n == 0 or m.minute >= since
-        ]
-        times, counts = inputs.times_of(minutes, now - self.cost_window, now)
-        steps = {b: sum(per.values()) for b, per in counts.items()}
-        _, recent_counts = inputs.times_of(minutes, now - self.window, now)
-        traffic = recent_counts or counts
-        return _Reads(
-            window=inputs.acceptance_counts(self.db, now - self.window, now),
-            recent=inputs.acceptance_counts(self.db, now - self.interval, now),
-            history=functools.cache(lambda: inputs.acceptance_counts(self.db, max(now - self.cost_window, since), now)),
-            times=times,
-            counts=counts,
-            prefill=_prefill(minutes, now - self.cost_window, now),
-            steps=steps,
-            busiest=busiest_bucket(traffic),
-            drafting=inputs.drafting_share_of(minutes, now - self.window, now),
-            paired=paired_ratios(inputs.paired_of(minutes, now - self.cost_window, now)),
-        )
+    def _read(self, now: datetime, since: datetime) -> RunReads:
+        return read_run(self.db, now, since, window=self.window, interval=self.interval, cost_window=self.cost_window)
 
-    def _acceptance(self, cls: str, reads: _Reads) -> tuple[list[int], list[int], bool]:
+    def _acceptance(self, cls: str, reads: RunReads) -> tuple[list[int], list[int], bool]:
         """(drafted, accepted) per position to decide on, and whether a shift made it the last interval's."""
         drafted, accepted = reads.window.get(cls, ([], []))
         if not drafted or drafted[0] < MIN_DRAFTS:
@@ -231,10 +202,27 @@ class Tuner:
                 return r_drafted, r_accepted, True
         return drafted, accepted, False
 
+    @staticmethod
+    def _reprobe(d: ClassDecision, busiest: int) -> bool:
+        """Whether a busiest bucket that drafts nothing opens to probes: where nothing of the draft in
+        force is measured (else the class keeps "too little data" for good, off or on), and for an off
+        class at batch 1, where a probe runs alone and costs only itself (a cost probe's plain entry
+        there, then off: its probes never drafted again and it stayed off on a drift-fooled cost).
+        At larger batches one probe makes the drafter run over the whole batch: the table stands."""
+        return d.acceptance is None or (not d.enabled and bucket_sizes(busiest)[1] == 1)
+
     def _decide(
-        self, cls: str, policy: Policy, reads: _Reads, now: datetime, version: int, may_probe: bool = True
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """One class: the decision row, and the class override to write (None: nothing to apply)."""
+        self,
+        cls: str,
+        policy: Policy,
+        reads: RunReads,
+        now: datetime,
+        version: int,
+        may_probe: bool = True,
+        cooling: bool = False,
+    ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """One class: the decision row, and the class override to write (None: nothing to apply).
+        ``cooling`` (changed less than a cooldown ago): only the guard may act; None when it does not."""
         drafted, accepted, shifted = self._acceptance(cls, reads)
         busiest, steps = reads.busiest, reads.steps
         costs = costs_by_bucket(
@@ -256,7 +244,12 @@ class Tuner:
         table, probes = policy.batch_table, set()
         if d.acceptance is None:
             alphas = None
-        if d.enabled and alphas is not None:
+        guarded = guard(policy, reads.measured, busiest, d.acceptance)
+        if guarded is not None:
+            d, table = guarded
+        elif cooling:
+            return None
+        elif d.enabled and alphas is not None:
             in_force = policy.num_speculative_tokens if policy.speculation_enabled else d.n
             # A bucket gets a probe when its plain step was never measured: every speedup is
             # relative to a plain step, and an extrapolated one overstates it (running the drafter at
@@ -274,14 +267,13 @@ class Tuner:
             probes = {max(unmeasured, key=steps.get)} if unmeasured else set()
             if busiest in probes:  # one change at a time: the probe, then the decision on its measurement
                 d = ClassDecision("keep", True, in_force, d.predicted_speedup, d.acceptance, False, d.reason)
-            table = decide_batch_table(policy, alphas, costs, d.n, probes, class_bucket=busiest)
-        elif d.acceptance is None and busiest is not None and not drafts_at(policy, busiest):
-            # Nothing of the draft in force measured, and the busiest bucket (where the traffic, and
-            # so any measurement of it, is) drafts nothing: open it, or the class keeps "too little
-            # data" for good -- off or on.
+            table = decide_batch_table(
+                policy, alphas, costs, d.n, probes, class_bucket=busiest, measured=reads.measured
+            )
+        elif busiest is not None and not drafts_at(policy, busiest) and self._reprobe(d, busiest):
             table = open_for_probes(policy, busiest)
         action, reason = d.action, d.reason
-        if action == "keep" and table != policy.batch_table and d.acceptance is None:
+        if action == "keep" and table != policy.batch_table and busiest is not None and self._reprobe(d, busiest):
             action = "reprobe"
             reason = f"{reason}; probes measure the draft in force at batch bucket {busiest} (N={d.n})"
         elif action == "keep" and table != policy.batch_table:
@@ -298,6 +290,8 @@ class Tuner:
         override = None
         if apply:
             override = {"speculation_enabled": d.enabled, "num_speculative_tokens": d.n}
+            if after > 0 and predicted is not None and policy.control_budget > 0:  # paid from the budget
+                override["control_fraction"] = round(control_share(policy.control_budget, predicted), 4)
             if table or policy.batch_table:
                 override["batch_table"] = [e.model_dump() for e in table]
         if d.diagnose and self.request_diagnosis is not None:
@@ -339,6 +333,10 @@ class Tuner:
                 "predicted_interval": interval,
                 "speedup_estimator": ESTIMATOR if interval else "point: no paired minutes at this N (see costs)",
                 "in_force_speedup": None if alphas is None else speedup(alphas, after if apply else before, here_cost),
+                "measured_speedup": {
+                    str(b): {str(n): asdict(e) for n, e in per.items()} for b, per in reads.measured.items()
+                },
+                "measured_estimator": SPEEDUP_ESTIMATOR,
                 "reason": reason,
                 "policy_version": version,
                 "window_s": self.window.total_seconds(),

@@ -22,7 +22,7 @@ rather than moving the estimate.  Fewer than ``MIN_PAIRED_MINUTES`` paired minut
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -34,8 +34,13 @@ ESTIMATOR = (
     "90 % t-interval from their spread"
 )
 
-# (plain steps, plain seconds, steps at N, seconds at N) of one minute at one bucket.
-MinutePair = tuple[int, float, int, float]
+# One minute at one bucket of one instance: (plain steps, their seconds, steps at N, their seconds,
+# and optionally the tokens each side generated: plain, at N) -- ``store.tuner_inputs.paired_of``.
+MinutePair = tuple[int, float, int, float] | tuple[int, float, int, float, int, int]
+SPEEDUP_ESTIMATOR = (
+    "paired minutes: weighted geometric mean of each minute's tokens/s at N over plain tokens/s at this "
+    "bucket, 90 % t-interval from their spread"
+)
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,29 @@ def t_quantile(p: float, df: int) -> float:
 
 
 def paired_ratio(pairs: Iterable[MinutePair]) -> RatioEstimate | None:
-    """The estimate over a window's paired minutes (``ESTIMATOR``), or None with too few."""
+    """t(N) / t(0), the cost of a step at N, over a window's paired minutes (``ESTIMATOR``), or None
+    with too few."""
+    return _paired(pairs, lambda p: (p[3] / p[2]) / (p[1] / p[0]))
+
+
+def paired_speedup(pairs: Iterable[MinutePair]) -> RatioEstimate | None:
+    """Tokens/s at N over plain tokens/s, the speedup serving at N measured, over a window's paired
+    minutes (``SPEEDUP_ESTIMATOR``: the same estimator, on the minutes' throughput ratios), or None
+    with too few.  What the steps delivered, so it holds whatever the model of acceptance assumes."""
+    return _paired(pairs, lambda p: (p[5] / p[3]) / (p[4] / p[1]) if p[4] > 0 and p[5] > 0 else 0.0)
+
+
+def _paired(pairs: Iterable[MinutePair], ratio: Callable[[MinutePair], float]) -> RatioEstimate | None:
+    """The weighted geometric mean of ``ratio`` over the minutes with enough steps a side, and its
+    90 % t-interval (module docstring); None below ``MIN_PAIRED_MINUTES`` such minutes."""
     xs: list[float] = []
     ws: list[float] = []
     steps_n = 0
-    for s0, t0, sn, tn in pairs:
-        if s0 < MIN_PAIRED_STEPS or sn < MIN_PAIRED_STEPS or t0 <= 0 or tn <= 0:
+    for pair in pairs:
+        s0, t0, sn, tn = pair[:4]
+        if s0 < MIN_PAIRED_STEPS or sn < MIN_PAIRED_STEPS or t0 <= 0 or tn <= 0 or (r := ratio(pair)) <= 0:
             continue
-        xs.append(math.log((tn / sn) / (t0 / s0)))
+        xs.append(math.log(r))
         ws.append(1 / (1 / s0 + 1 / sn))
         steps_n += sn
     if len(xs) < MIN_PAIRED_MINUTES:
@@ -85,11 +105,31 @@ def paired_ratio(pairs: Iterable[MinutePair]) -> RatioEstimate | None:
     return RatioEstimate(math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(xs), steps_n)
 
 
-def paired_ratios(pairs: dict[int, dict[int, Sequence[MinutePair]]]) -> dict[int, dict[int, RatioEstimate]]:
-    """{bucket: {N: estimate}} wherever enough minutes were paired."""
+def paired_ratios(
+    pairs: dict[int, dict[int, Sequence[MinutePair]]], estimate: Callable[..., RatioEstimate | None] = paired_ratio
+) -> dict[int, dict[int, RatioEstimate]]:
+    """{bucket: {N: estimate}} wherever enough minutes were paired (``estimate``: ``paired_ratio``,
+    the cost, or ``paired_speedup``, the speedup)."""
     out: dict[int, dict[int, RatioEstimate]] = {}
     for bucket, per_n in pairs.items():
-        found = {n: est for n, minutes in per_n.items() if (est := paired_ratio(minutes)) is not None}
+        found = {n: est for n, minutes in per_n.items() if (est := estimate(minutes)) is not None}
         if found:
             out[bucket] = found
     return out
+
+
+MAX_CONTROL_FRACTION = 0.25  # a class that barely pays (or does not) is measured on a quarter of its requests
+
+
+def control_share(budget: float, speedup: float) -> float:
+    """The share f of a speculating class's requests to serve plain (control requests) so that they
+    cost at most ``budget`` of its tokens/s at this ``speedup`` S over plain: serving a share f plain
+    runs at S / (1 + f (S - 1)) of plain, a loss of f (S - 1) / (1 + f (S - 1)); so
+    f = budget / ((1 - budget)(S - 1)), at most ``MAX_CONTROL_FRACTION``.  The nearer S is to 1 the
+    cheaper a control request, and the more the measurement matters: a draft that barely pays gets
+    the most of them, one at 3x the fewest."""
+    if budget <= 0:
+        return 0.0
+    if speedup <= 1:
+        return MAX_CONTROL_FRACTION  # plain is as fast: control requests cost nothing
+    return min(MAX_CONTROL_FRACTION, budget / ((1 - budget) * (speedup - 1)))

@@ -10,6 +10,7 @@ from rich.markdown import Markdown
 
 from . import replay
 from .report import summarise
+from .sim import DRIFT_SIGMA
 
 parser = argparse.ArgumentParser(
     prog="python -m benchmarks.tuner_replay",
@@ -19,9 +20,16 @@ parser = argparse.ArgumentParser(
 parser.add_argument("--phase-minutes", type=float, default=20.0, help="simulated minutes per phase")
 parser.add_argument("--interval", type=float, default=60.0, help="tuner interval, simulated seconds")
 parser.add_argument("--seed", type=int, default=1)
+parser.add_argument(
+    "--drift",
+    type=float,
+    default=0.0,
+    help=f"lognormal sigma of the machine's speed by the minute (this machine: about {DRIFT_SIGMA}; 0: steady)",
+)
+parser.add_argument("--control-budget", type=float, default=0.0, help="the tuner policy's control_budget")
 parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tuner_replay.md"))
 args = parser.parse_args()
-result = replay.run(args.phase_minutes, args.seed, args.interval)
+result = replay.run(args.phase_minutes, args.seed, args.interval, args.drift, args.control_budget)
 lines, criteria = summarise(result, args.phase_minutes)
 Console().print(Markdown("\n".join(lines)))
 args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -115,8 +115,15 @@ class _TunerArm:
             return [r._asdict() for r in conn.execute(select(TunerDecision.__table__).order_by(TunerDecision.id))]
 
 
-def run_arm(cal: Calibration, settings: RuntimeSettings, phase_s: float, seed: int, arm: _TunerArm | None = None):
-    sim = SimEngine(cal, settings, CAPACITY, seed)
+def run_arm(
+    cal: Calibration,
+    settings: RuntimeSettings,
+    phase_s: float,
+    seed: int,
+    arm: _TunerArm | None = None,
+    drift_sigma: float = 0.0,
+):
+    sim = SimEngine(cal, settings, CAPACITY, seed, drift_sigma=drift_sigma)
     if arm is not None:
         arm.sim = sim
     on_record = arm.records.append if arm else (lambda r: None)
@@ -149,14 +156,20 @@ def fidelity(cal: Calibration, seconds: float = 300.0) -> list[tuple[int, int, f
     return out
 
 
-def run(phase_minutes: float, seed: int, interval_s: float) -> dict:
+def run(
+    phase_minutes: float, seed: int, interval_s: float, drift_sigma: float = 0.0, control_budget: float = 0.0
+) -> dict:
+    """Every arm over the phases; ``drift_sigma``: the machine's minute-to-minute speed (``sim.DRIFT_SIGMA``
+    is this machine's); ``control_budget``: the tuner policy's (control requests)."""
     cal = Calibration.load()
     phase_s = phase_minutes * 60
-    static = {n: run_arm(cal, static_settings(n), phase_s, seed) for n in STATIC_NS}
-    policy = Policy(num_speculative_tokens=3, n_min=0, n_max=CAPACITY)
+    static = {n: run_arm(cal, static_settings(n), phase_s, seed, drift_sigma=drift_sigma) for n in STATIC_NS}
+    policy = Policy(num_speculative_tokens=3, n_min=0, n_max=CAPACITY, control_budget=control_budget)
     with tempfile.TemporaryDirectory() as tmp:
         arm = _TunerArm(Path(tmp), interval_s, policy)
-        tuned = run_arm(cal, arm.settings, phase_s, seed, arm)
+        tuned = run_arm(cal, arm.settings, phase_s, seed, arm, drift_sigma=drift_sigma)
         decisions, diagnoses = arm.decisions(), list(arm.diagnoses)
         arm.db.dispose()
-    return dict(cal=cal, static=static, tuned=tuned, decisions=decisions, diagnoses=diagnoses, policy=policy)
+    return dict(
+        cal=cal, static=static, tuned=tuned, decisions=decisions, diagnoses=diagnoses, policy=policy, drift=drift_sigma
+    )

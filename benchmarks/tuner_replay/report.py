@@ -22,7 +22,9 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
         "**SIMULATED, CALIBRATED.** Engine steps are simulated (`benchmarks/tuner_replay/sim.py`) from step times",
         f"and per-position acceptance measured on the real engine ({cal.source}, measured {cal.measured_at});",
         "the tuner arm runs the real tuner (store, goodput model, batch table, cost probes, policy writes) on the",
-        f"simulation's clock. {len(PHASES)} phases of {phase_minutes:g} min, one prompt class, policy start N=3.",
+        f"simulation's clock. {len(PHASES)} phases of {phase_minutes:g} min, one prompt class, policy start N=3; "
+        f"machine speed by the minute: lognormal sigma {run.get('drift', 0.0):g} (the same for every arm); "
+        f"tuner control_budget {run['policy'].control_budget:g}.",
         "",
         "| arm | " + " | ".join(f"{p.name} (batch {p.concurrency})" for p in PHASES) + " | whole run |",
         "|---|" + "---|" * (len(PHASES) + 1),

@@ -4,11 +4,13 @@ Every engine step: the running requests (closed loop: a finished request is
 replaced at once, so the batch stays at the phase's concurrency) each get the
 N that ``RuntimeSettings.n_for`` gives their class at this batch size (the
 same function the real scheduler uses); the step takes the *measured* mean
-step time at (batch, step N) times lognormal noise; each request accepts a
+step time at (batch, step N) times lognormal noise and, with ``drift_sigma``,
+times the machine's speed that simulated minute; each request accepts a
 prefix of its drafts, drawn position by position with the *measured*
 conditional acceptance alpha_k of the phase's workload, and emits 1 + accepted
 tokens.  Finished requests become ``RequestRecord``s, steps ``StepRecord``s,
-exactly the shapes the real engine reports.
+exactly the shapes the real engine reports.  Probes and control requests are
+drawn at admission as the engine draws them (``engine/core.py``).
 
 Not simulated: prefill (every arm pays it equally), memory limits, TTFT.
 """
@@ -25,6 +27,10 @@ from spectune.engine.schema import RequestRecord, RuntimeSettings, StepRecord
 
 CALIBRATION = Path(__file__).parent / "calibration.json"
 STEP_NOISE_SIGMA = 0.05  # lognormal sigma on step time (the measured cells' spread is of this order)
+# The machine's speed by the minute (other tenants): lognormal sigma of a factor on every step time,
+# drawn afresh each simulated minute and the same for every arm at the same minute.  Here the same
+# plain engine ran at 2.5, 4.5, 4.7 and 11 tok/s in four sittings.
+DRIFT_SIGMA = 0.3
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class _Request:
     prompt_class: str
     arrival: float
     probe: bool
+    control: bool = False  # served plain beside its speculating class (``control_fraction``)
     tokens: int = 0
     first_token: float | None = None
     spec_steps: int = 0
@@ -81,10 +88,18 @@ class _Request:
 
 class SimEngine:
     def __init__(
-        self, calibration: Calibration, settings: RuntimeSettings, capacity: int, seed: int, max_tokens: int = 48
+        self,
+        calibration: Calibration,
+        settings: RuntimeSettings,
+        capacity: int,
+        seed: int,
+        max_tokens: int = 48,
+        drift_sigma: float = 0.0,
     ) -> None:
         self.cal, self.settings, self.capacity, self.max_tokens = calibration, settings, capacity, max_tokens
         self.rng = random.Random(seed)
+        self.seed, self.drift_sigma = seed, drift_sigma
+        self._speed: dict[int, float] = {}
         self.running: list[_Request] = []
         self.count = 0
         self.tokens = 0
@@ -92,8 +107,10 @@ class SimEngine:
     def _admit(self, prompt_class: str, now: float) -> None:
         off = self.settings.n_for(prompt_class, 1, self.capacity) == 0
         probe = off and self.rng.random() < self.settings.probe_fraction_for(prompt_class)
+        share = 0.0 if off or self.running else self.settings.control_fraction_for(prompt_class)  # alone only
+        control = share > 0 and self.rng.random() < share
         self.count += 1
-        self.running.append(_Request(f"sim-{self.count}", prompt_class, now, probe))
+        self.running.append(_Request(f"sim-{self.count}", prompt_class, now, probe, control))
 
     def step(
         self, now: float, prompt_class: str, workload: str, concurrency: int, on_record: Callable, on_step: Callable
@@ -102,9 +119,9 @@ class SimEngine:
         while len(self.running) < concurrency:
             self._admit(prompt_class, now)
         batch = len(self.running)
-        ns = [self.settings.n_for(r.prompt_class, batch, self.capacity, probing=r.probe) for r in self.running]
+        ns = [self._n(r, batch) for r in self.running]
         step_n = max(ns)
-        dt = self.cal.step_seconds(batch, step_n) * self.rng.lognormvariate(0.0, STEP_NOISE_SIGMA)
+        dt = self.cal.step_seconds(batch, step_n) * self.rng.lognormvariate(0.0, STEP_NOISE_SIGMA) * self.slowdown(now)
         alphas = self.cal.alphas[workload]
         drafted_total = accepted_total = 0
         per_position = [0] * step_n
@@ -149,8 +166,18 @@ class SimEngine:
             on_record(self._record(r, now + dt))
         return dt
 
+    def slowdown(self, now: float) -> float:
+        """The machine's step-time factor in the simulated minute of ``now`` (1 without drift)."""
+        minute = int(now // 60)
+        if minute not in self._speed:
+            self._speed[minute] = random.Random(self.seed * 1_000_003 + minute).lognormvariate(0.0, self.drift_sigma)
+        return self._speed[minute]
+
+    def _n(self, r: _Request, batch: int) -> int:
+        return 0 if r.control else self.settings.n_for(r.prompt_class, batch, self.capacity, probing=r.probe)
+
     def _record(self, r: _Request, finish: float) -> RequestRecord:
-        n = self.settings.n_for(r.prompt_class, 1, self.capacity, probing=r.probe)
+        n = self._n(r, 1)
         return RequestRecord(
             request_id=r.rid,
             instance_id="sim",

@@ -1,0 +1,69 @@
+"""What one tuner run reads from the store, read once and shared by every class's decision."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import Engine
+
+from spectune.store import tuner_inputs as inputs
+
+from .cost import PrefillCost
+from .decide import Measured
+from .goodput import busiest_bucket
+from .paired_cost import RatioEstimate, paired_ratios, paired_speedup
+
+Counts = dict[str, tuple[list[int], list[int]]]  # class -> (drafted, accepted) per position
+
+
+@dataclass
+class RunReads:
+    """What one tuner run reads from the store (the history only when a class needs it)."""
+
+    window: Counts
+    recent: Counts
+    history: Callable[[], Counts]
+    times: dict[int, dict[int, float]]
+    counts: dict[int, dict[int, int]]
+    prefill: dict[int, PrefillCost]
+    steps: dict[int, int]
+    busiest: int | None
+    drafting: dict[int, dict[int, float]]  # share of requests that drafted, per bucket and N
+    paired: dict[int, dict[int, RatioEstimate]]  # t(N) / t(0) from paired minutes, per bucket and N
+    measured: Measured  # tokens/s at N over plain tokens/s from paired minutes, per bucket and N
+
+
+def _prefill(rows: list[inputs.StepMinute], since: datetime, until: datetime) -> dict[int, PrefillCost]:
+    return {b: PrefillCost(**entry) for b, entry in inputs.prefill_of(rows, since, until).items()}
+
+
+def read_run(
+    db: Engine, now: datetime, since: datetime, *, window: timedelta, interval: timedelta, cost_window: timedelta
+) -> RunReads:
+    """The run's inputs.  The hour of acceptance history (read when the window holds too few
+    drafts) and the steps that drafted start at ``since``, when the draft in force came in:
+    another draft's say nothing about this one.  The window and the last interval are read as
+    they are -- right after a swap the last interval shows the change (``acceptance_shifted``),
+    and the records a draining engine finishes after the policy write are still the old draft's."""
+    minutes = [m for m in inputs.step_minutes(db, now - cost_window, now) if m.n == 0 or m.minute >= since]
+    times, counts = inputs.times_of(minutes, now - cost_window, now)
+    steps = {b: sum(per.values()) for b, per in counts.items()}
+    _, recent_counts = inputs.times_of(minutes, now - window, now)
+    traffic = recent_counts or counts
+    prefill = inputs.prefill_of(minutes, now - cost_window, now)
+    return RunReads(
+        window=inputs.acceptance_counts(db, now - window, now),
+        recent=inputs.acceptance_counts(db, now - interval, now),
+        history=functools.cache(lambda: inputs.acceptance_counts(db, max(now - cost_window, since), now)),
+        times=times,
+        counts=counts,
+        prefill={b: PrefillCost(**entry) for b, entry in prefill.items()},
+        steps=steps,
+        busiest=busiest_bucket(traffic),
+        drafting=inputs.drafting_share_of(minutes, now - window, now),
+        paired=paired_ratios(inputs.paired_of(minutes, now - cost_window, now)),
+        measured=paired_ratios(inputs.paired_throughput_of(minutes, now - cost_window, now), paired_speedup),
+    )
