@@ -44,6 +44,12 @@ class StepMinute:
     prefill_time_s: float
     prefill_generated: int
 
+    def delivered(self) -> tuple[int, float, int]:
+        """(steps, seconds, tokens generated) of every step in the row, prompts' steps included:
+        what serving at this key delivered."""
+        return (self.steps + self.prefill_steps, self.time_s + self.prefill_time_s,
+                self.batch_sum + self.accepted + self.prefill_generated)  # fmt: skip
+
 
 def step_minutes(db: Engine, since: datetime, until: datetime | None = None) -> list[StepMinute]:
     """Step statistics per minute, bucket and N over the minutes in [since, until), in one read:
@@ -105,9 +111,10 @@ def throughput_of(
     out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0]))
     for r in _within(rows, since, until):
         entry = out[r.bucket][r.n]
-        entry[0] += r.batch_sum + r.accepted + r.prefill_generated
-        entry[1] += r.time_s + r.prefill_time_s
-        entry[2] += r.steps + r.prefill_steps
+        steps, seconds, tokens = r.delivered()
+        entry[0] += tokens
+        entry[1] += seconds
+        entry[2] += steps
     return {b: {n: tuple(v) for n, v in per.items()} for b, per in out.items()}
 
 
@@ -125,15 +132,11 @@ def paired_throughput_of(
     rows: list[StepMinute], since: datetime, until: datetime | None = None
 ) -> dict[int, dict[int, list[tuple[int, float, int, float, int, int]]]]:
     """{bucket: {N: [(plain steps, seconds, steps at N, seconds, plain tokens, tokens at N) per minute]}}:
-    every step of ``paired_minutes``, prompts' steps included (as ``throughput_of``) -- what the
+    every step of ``paired_minutes``, prompts' steps included (``StepMinute.delivered``) -- what the
     measured speedup over plain is taken from."""
-
-    def side(r: StepMinute) -> tuple[int, float, int]:
-        return r.steps + r.prefill_steps, r.time_s + r.prefill_time_s, r.batch_sum + r.accepted + r.prefill_generated
-
     out = []
     for b, n, p, r in paired_minutes(rows, since, until):
-        (s0, t0, g0), (sn, tn, gn) = side(p), side(r)
+        (s0, t0, g0), (sn, tn, gn) = p.delivered(), r.delivered()
         out.append((b, n, (s0, t0, sn, tn, g0, gn)))
     return _per_bucket_n(out)
 

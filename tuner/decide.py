@@ -133,9 +133,7 @@ def guard(
     est = below_plain(measured, bucket, n)
     if est is None:
         return None
-    lo, hi = bucket_sizes(bucket)
-    table = overlay([BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=0)], policy.batch_table)
-    table = [e for e in table if e.num_speculative_tokens != policy.num_speculative_tokens]
+    table = with_bucket(policy, bucket, 0)
     why = (
         f"guard: N={n} at batch bucket {bucket} measured {est.ratio:.2f}x of plain (90 % interval "
         f"{est.low:.2f}-{est.high:.2f}x, {est.minutes} paired minutes): that bucket runs plain"
@@ -155,12 +153,17 @@ def open_for_probes(policy: Policy, bucket: int) -> list[BatchRange]:
     whole batch), so an N = 0 there, decided while another draft was in force (it did not pay at
     the busiest bucket, then the class went off), would keep every probe plain and the class off
     for good.  Entries equal to the class N are dropped, as ``decide_batch_table`` does."""
-    n = policy.num_speculative_tokens
-    if n == 0:
+    if policy.num_speculative_tokens == 0:
         return policy.batch_table  # probes at N = 0 measure nothing wherever they run
+    return with_bucket(policy, bucket, policy.num_speculative_tokens)
+
+
+def with_bucket(policy: Policy, bucket: int, n: int) -> list[BatchRange]:
+    """The class's table with ``bucket``'s batch sizes at N = ``n``; entries equal to the class N
+    are dropped (the class N covers them)."""
     lo, hi = bucket_sizes(bucket)
     table = overlay([BatchRange(min_batch=lo, max_batch=hi, num_speculative_tokens=n)], policy.batch_table)
-    return [e for e in table if e.num_speculative_tokens != n]
+    return [e for e in table if e.num_speculative_tokens != policy.num_speculative_tokens]
 
 
 def decide_batch_table(

@@ -244,6 +244,7 @@ class Tuner:
         table, probes = policy.batch_table, set()
         if d.acceptance is None:
             alphas = None
+        reprobe = busiest is not None and not drafts_at(policy, busiest) and self._reprobe(d, busiest)
         guarded = guard(policy, reads.measured, busiest, d.acceptance)
         if guarded is not None:
             d, table = guarded
@@ -270,10 +271,10 @@ class Tuner:
             table = decide_batch_table(
                 policy, alphas, costs, d.n, probes, class_bucket=busiest, measured=reads.measured
             )
-        elif busiest is not None and not drafts_at(policy, busiest) and self._reprobe(d, busiest):
+        elif reprobe:
             table = open_for_probes(policy, busiest)
         action, reason = d.action, d.reason
-        if action == "keep" and table != policy.batch_table and busiest is not None and self._reprobe(d, busiest):
+        if action == "keep" and table != policy.batch_table and reprobe:
             action = "reprobe"
             reason = f"{reason}; probes measure the draft in force at batch bucket {busiest} (N={d.n})"
         elif action == "keep" and table != policy.batch_table:
