@@ -19,11 +19,13 @@ def test_tuner_meets_the_replay_criteria(seed):
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_on_a_drifting_machine_control_requests_keep_every_phase_at_plain_or_better(seed):
+def test_on_a_drifting_machine_control_requests_keep_every_phase_at_the_n0_arm_or_better(seed):
     """The machine's speed moves by the minute (lognormal sigma 0.3, the same for every arm).  With
     control requests (budget 2 %) the tuner's decisions rest on paired minutes and the guard, and no
-    phase falls below plain; without them seed 2's batch-8 phase ran at 0.89x (a cost timed in a fast
-    minute against one in a slow one)."""
+    phase falls below the simulator's static N=0 arm; without them seed 2's batch-8 phase ran at
+    0.89x of it (a cost timed in a fast minute against one in a slow one).  That arm is the
+    calibration's N=0 (measured before the free off state: 0.74-0.77x of plain serving, README),
+    not plain serving: these ratios compare tuner policies, they are no speedup over plain."""
     result = replay.run(phase_minutes=20, seed=seed, interval_s=60, drift_sigma=0.3, control_budget=0.02)
     lines, _ = summarise(result, 20)
     base, tuned = result["static"][0], result["tuned"]
