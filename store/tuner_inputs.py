@@ -1,6 +1,6 @@
 """What the tuner reads from the store: acceptance counts per class, step
 times per batch bucket and N, when each class was last changed, and what
-happened after a decision (its realised speedup).  Every read takes explicit
+happened after a decision (when its setting was replaced; its realised speedup).  Every read takes explicit
 times so the tuner (and the replay benchmark) own the clock."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, func, select, update
@@ -257,14 +257,16 @@ def decisions_awaiting_outcome(db: Engine, before: datetime, max_age: timedelta)
     return [r._asdict() for r in rows]
 
 
-class DecisionTimes:
-    """When each class's decisions were taken from ``since`` on (one read): the end of a
-    decision's span is the next decision of its class."""
+class ChangeTimes:
+    """When each class's setting was changed by the tuner from ``since`` on (its applied decisions, one
+    read): a decision's setting stays in force until the next of them."""
 
     def __init__(self, db: Engine, since: datetime) -> None:
         D = TunerDecision
         with db.connect() as conn:
-            rows = conn.execute(select(D.prompt_class, D.at).where(D.at >= since).order_by(D.at)).all()
+            rows = conn.execute(
+                select(D.prompt_class, D.at).where(D.at >= since, D.applied.is_(True)).order_by(D.at)
+            ).all()
         self._times: dict[str, list[datetime]] = defaultdict(list)
         for cls, at in rows:
             self._times[cls].append(at)
@@ -275,6 +277,23 @@ class DecisionTimes:
         return times[i] if i < len(times) else None
 
 
-def set_realised(db: Engine, decision_id: int, realised: float) -> None:
+@dataclass(frozen=True)
+class Realised:
+    """What a decision's setting delivered against plain, and how it was measured."""
+
+    speedup: float
+    estimator: str  # "paired" | "unpaired" (``tuner/job.py``, ``REALISED_ESTIMATORS``)
+    low: float | None = None  # the 90 % interval, paired only
+    high: float | None = None
+    minutes: int | None = None  # paired minutes it came from
+
+
+def set_realised(db: Engine, outcomes: dict[int, Realised]) -> None:
+    """Close decisions (id -> what they realised), in one transaction."""
+    if not outcomes:
+        return
+    D = TunerDecision
     with db.begin() as conn:
-        conn.execute(update(TunerDecision).where(TunerDecision.id == decision_id).values(realised_speedup=realised))
+        for decision_id, r in outcomes.items():
+            columns = {f"realised_{k}": v for k, v in asdict(r).items()}  # realised_speedup, realised_low, ...
+            conn.execute(update(D).where(D.id == decision_id).values(**columns))

@@ -552,3 +552,52 @@ def test_the_tuner_pays_control_requests_from_the_class_budget(tmp_path, budget)
         assert qa["control_fraction"] == pytest.approx(control_share(budget, row["predicted_speedup"]), abs=1e-4)
     else:
         assert "control_fraction" not in qa  # the operator's share (default 0) stands
+
+
+@pytest.mark.parametrize("beside_plain", [True, False])
+def test_a_decision_is_realised_from_the_minutes_its_setting_ran_beside_plain(tmp_path, beside_plain):
+    """After the decision the machine drifts by minutes (speed x0.5 to x3); where plain steps ran in the
+    same minutes as steps at N (control requests), the realised speedup is their paired ratio, with its
+    interval; the plain steps of the cost window, measured at another speed, would say half of it.
+    Without plain steps beside it, the decision waits for them, then closes unpaired and says so."""
+    from statistics import geometric_mean
+
+    from sqlalchemy import select
+
+    from spectune.store.models import TunerDecision
+
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), n_min=0, n_max=4)
+    start = now[0]
+    _steps(db, start - 120, {1: {0: 0.05, 3: 0.065}}, steps=2000)  # the cost window: a fast minute
+    insert_records(db, _good_records(20, start - 30, "a"))
+    (first,) = tuner.run_once()
+    n = first["n_after"]
+    assert n > 0 and first["applied"], first
+    ratios = []
+    for m, drift in enumerate((1.0, 3.0, 0.5, 2.0, 1.0, 1.5)):
+        wobble = 1 + 0.02 * (-1) ** m  # the minutes' ratios disagree a little: the interval has width
+        per_n = {n: (0.10 + 0.01 * n) * drift * wobble, **({0: 0.10 * drift} if beside_plain else {})}
+        _steps(db, start + 60 * m, {1: per_n}, steps=100)
+        ratios.append((1 + _accepted_per_step(n)) / ((0.10 + 0.01 * n) * wobble / 0.10))
+
+    def realised():
+        with db.connect() as conn:
+            row = conn.execute(select(TunerDecision.__table__)).one()  # the one decision
+        return row.realised_speedup, row.realised_estimator, row.realised_low, row.realised_high, row.realised_minutes
+
+    now[0] = start + 3 * 60
+    assert tuner.close_decisions(tuner.clock()) == 0  # younger than a window: not yet
+    now[0] = start + 7 * 60
+    if beside_plain:
+        assert tuner.close_decisions(tuner.clock()) == 1
+        speedup, estimator, low, high, minutes = realised()
+        assert estimator == "paired" and minutes == 6
+        assert speedup == pytest.approx(geometric_mean(ratios), rel=1e-3)  # equal weights; whole tokens per row
+        assert low < speedup < high < 1.05 * low  # a 90 % interval from the minutes' +-2 % disagreement
+        return
+    assert tuner.close_decisions(tuner.clock()) == 0  # a control request may yet come
+    now[0] = start + 11 * 60
+    assert tuner.close_decisions(tuner.clock()) == 1
+    speedup, estimator, low, high, minutes = realised()
+    assert estimator == "unpaired" and low is None and high is None and minutes is None
+    assert speedup < 0.75 * min(ratios)  # against the cost window's fast plain minute: drift not cancelled

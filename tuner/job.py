@@ -18,12 +18,11 @@ from the next interval.  When a class goes off for low acceptance, a draft
 diagnosis is started.
 
 Each run also closes earlier decisions: the *realised* speedup of a decision
-is ``wall_speedup`` of measured tokens per verify step (records), t0 and the
-measured step time at the N it chose (step statistics), with what prompts
-cost on top where steps that prefilled were measured, over the span until the
-class's next decision.  t0 is a plain step at that bucket: the measured time
-of N=0 steps (which run no draft model); a decision stays open until such
-steps are measured.
+is what its setting delivered against plain while it was in force, in tokens/s
+(``outcomes.py``): from paired minutes (plain and N steps in the same minutes)
+with a 90 % interval where the span had them, else unpaired against the cost
+window's plain steps; each row says which (``realised_estimator``).  A decision
+stays open while neither side has been measured.
 Every decision row states its baseline (``inputs.baseline``).
 
 Decisions are per prompt class across the fleet (records of every instance).
@@ -66,11 +65,11 @@ from .goodput import (
     acceptance_shifted,
     bucket_sizes,
     choose_n,
-    measured_speedups,
     position_acceptance,
     speedup,
     speedup_interval,
 )
+from .outcomes import LANDED, realised
 from .paired_cost import ESTIMATOR, SPEEDUP_ESTIMATOR, control_share
 from .policy import Policy, PolicyDocument, TunerMode, draft_key, effective_policy
 from .reads import RunReads, read_run
@@ -377,31 +376,25 @@ class Tuner:
             self.on_decisions(decisions)
 
     def close_decisions(self, now: datetime) -> int:
-        """Fill in the realised speedup of decisions whose span has been measured.
+        """Fill in the realised speedup of decisions whose setting has been measured
+        (``outcomes.realised``: paired minutes where the span had them, else unpaired).
 
-        Realised: tokens/s of every step at the decision's N and bucket over its span, over plain
-        steps' tokens/s at that bucket in the last cost window (``measured_speedups``).  The
-        store is read once per run, not per open decision: decisions that cannot be closed (no plain
-        steps measured near them) stay open for ``4 * window`` and are looked at every run.
+        The store is read once per run, not per open decision: decisions that cannot be closed
+        stay open for ``4 * window`` and are looked at every run.
         """
         awaiting = inputs.decisions_awaiting_outcome(self.db, now, max_age=4 * self.window)
         if not awaiting:
             return 0
         first = awaiting[0]["at"]
-        decided = inputs.DecisionTimes(self.db, first)
-        minutes = inputs.step_minutes(self.db, first - self.cost_window, now + timedelta(minutes=1))
-        plain = inputs.throughput_of(minutes, now - self.cost_window, now + timedelta(minutes=1))
-        closed = 0
+        changes = inputs.ChangeTimes(self.db, first)
+        minutes = inputs.step_minutes(self.db, first - self.cost_window, now + LANDED)
+        plain = inputs.throughput_of(minutes, now - self.cost_window, now + LANDED)
+        closed = {}
         for dec in awaiting:
-            end = decided.next_after(dec["prompt_class"], dec["at"])
-            if end is None:
-                continue  # still the decision in force: its span is open
-            bucket, n = dec["batch_bucket"], dec["n_after"]
-            # Measured tokens/s: the decision's N over its span, plain steps over the last cost window.
-            span = inputs.throughput_of(minutes, dec["at"], end + timedelta(minutes=1)).get(bucket, {})
-            realised = measured_speedups({bucket: {n: span[n]}} if n in span else {}, plain).get(bucket, {})
-            if n not in realised:
-                continue  # too few steps on either side: no plain step is replaced by the model's t0
-            inputs.set_realised(self.db, dec["id"], realised[n])
-            closed += 1
-        return closed
+            changed = changes.next_after(dec["prompt_class"], dec["at"])
+            outcome = realised(minutes, dec["at"], dec["batch_bucket"], dec["n_after"], changed, now, plain,
+                               settle=self.window, patience=2 * self.window)  # fmt: skip
+            if outcome is not None:
+                closed[dec["id"]] = outcome
+        inputs.set_realised(self.db, closed)
+        return len(closed)
