@@ -1,5 +1,5 @@
 """A database with something on every dashboard page: records of two classes,
-engine steps at two batch buckets, tuner decisions (one with a realised
+engine steps at two batch buckets, tuner decisions (one with a paired realised
 speedup), a finished and a running diagnosis, and a firing and a resolved
 alert linked to the diagnosis."""
 
@@ -57,12 +57,17 @@ def seed(url: str) -> None:
         decisions = [
             dict(at=now - timedelta(minutes=10), instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto",
                  action="set_n", n_before=3, n_after=5, predicted_speedup=1.42, realised_speedup=1.37, applied=True,
+                 realised_estimator="paired", realised_low=1.30, realised_high=1.44, realised_minutes=4,
                  inputs={"reason": "goodput argmax N=6 (1.48x vs 1.30x)"}),
+            dict(at=now - timedelta(minutes=8), instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto",
+                 action="keep", n_before=5, n_after=5, predicted_speedup=1.40, realised_speedup=2.15, applied=False,
+                 realised_estimator="unpaired", inputs={"reason": "N=5 stays"}),
             dict(at=now - timedelta(minutes=5), instance_id="*", prompt_class="long", batch_bucket=1, mode="auto",
                  action="off", n_before=3, n_after=0, predicted_speedup=0.83, realised_speedup=None, applied=True,
                  inputs={"reason": "acceptance 12% < floor 70% and predicted speedup 0.83x < 1: speculation off"}),
         ]  # fmt: skip
-        conn.execute(insert(TunerDecision), decisions)
+        unmeasured = dict(realised_estimator=None, realised_low=None, realised_high=None, realised_minutes=None)
+        conn.execute(insert(TunerDecision), [{**unmeasured, **d} for d in decisions])
         done = conn.execute(
             insert(DiagnosticsReport).values(
                 created_at=now - timedelta(minutes=4), finished_at=now - timedelta(minutes=3), trigger="alert",

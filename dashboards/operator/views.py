@@ -162,22 +162,52 @@ def tuner(api: Api, window_s: float, who: dict) -> None:
         width="stretch",
     )  # fmt: skip
     st.dataframe(decisions, hide_index=True, key="decisions_table")
-    st.subheader("Predicted vs realised speedup")
-    both = decisions.dropna(subset=["predicted_speedup", "realised_speedup"])
-    if both.empty:
-        st.info("No decision has a realised speedup yet (filled in after the next decision of its class).")
-    else:
-        error = (both["realised_speedup"] / both["predicted_speedup"] - 1).abs().median()
-        st.metric("Median |realised / predicted - 1|", f"{error:.1%}")
-        lo, hi = (
-            float(both[["predicted_speedup", "realised_speedup"]].min().min()),
-            float(both[["predicted_speedup", "realised_speedup"]].max().max()),
-        )
-        diagonal = (
-            alt.Chart(pd.DataFrame({"x": [lo, hi], "y": [lo, hi]})).mark_line(strokeDash=[4, 4]).encode(x="x", y="y")
-        )
-        points = alt.Chart(both).mark_point().encode(x="predicted_speedup:Q", y="realised_speedup:Q", color="action:N")
-        st.altair_chart(diagonal + points, width="stretch")
+    _realised(decisions)
+
+
+def _realised(decisions: pd.DataFrame) -> None:
+    """Realised speedup against plain, as the tuner measured it (``tuner/outcomes.py``): the error
+    figure counts only decisions measured in paired minutes, where the machine's drift cancels."""
+    st.subheader("Realised speedup against plain")
+    closed = decisions.dropna(subset=["realised_speedup"])
+    if closed.empty:
+        st.info("No decision has a realised speedup yet (filled in once its setting has run a while).")
+        return
+    closed = closed.assign(
+        low=closed["realised_low"].fillna(closed["realised_speedup"]),
+        high=closed["realised_high"].fillna(closed["realised_speedup"]),
+    )
+    plain = alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 4]).encode(y="y:Q")
+    over_time = alt.Chart(closed).encode(x="at:T", color="realised_estimator:N")
+    st.altair_chart(
+        plain + over_time.mark_rule().encode(y=alt.Y("low:Q", title="realised speedup (90 % interval)"), y2="high:Q")
+        + over_time.mark_point(filled=True).encode(
+            y="realised_speedup:Q", shape="prompt_class:N",
+            tooltip=["at", "prompt_class", "action", "n_after", "realised_speedup", "low", "high",
+                     "realised_minutes", "realised_estimator"],
+        ),
+        width="stretch",
+    )  # fmt: skip
+    paired = closed[(closed["realised_estimator"] == "paired") & closed["predicted_speedup"].notna()]
+    unpaired = len(closed) - len(closed[closed["realised_estimator"] == "paired"])
+    st.caption(
+        f"{len(closed) - unpaired} decisions measured in paired minutes (plain and N steps in the same minutes: "
+        f"drift cancels), {unpaired} unpaired (plain steps from other minutes: shown, left out of the error)."
+    )
+    if paired.empty:
+        st.warning("No decision measured in paired minutes yet: set a control_budget so some requests run plain.")
+        return
+    error = (paired["realised_speedup"] / paired["predicted_speedup"] - 1).abs().median()
+    st.metric("Median |realised / predicted - 1|", f"{error:.1%}", help="over decisions measured in paired minutes")
+    lo = float(paired[["predicted_speedup", "low"]].min().min())
+    hi = float(paired[["predicted_speedup", "high"]].max().max())
+    diagonal = alt.Chart(pd.DataFrame({"x": [lo, hi], "y": [lo, hi]})).mark_line(strokeDash=[4, 4]).encode(x="x", y="y")
+    vs = alt.Chart(paired).encode(x=alt.X("predicted_speedup:Q", title="predicted speedup"), color="action:N")
+    st.altair_chart(
+        diagonal + vs.mark_rule().encode(y=alt.Y("low:Q", title="realised speedup (paired)"), y2="high:Q")
+        + vs.mark_point(filled=True).encode(y="realised_speedup:Q"),
+        width="stretch",
+    )  # fmt: skip
 
 
 def policies(api: Api, window_s: float, who: dict) -> None:
