@@ -41,6 +41,11 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
         if d["predicted_speedup"] and d["realised_speedup"] is not None
     ]
     errors = [real / pred - 1 for pred, real in pairs]
+    by_estimator = {
+        kind: [abs(d["realised_speedup"] / d["predicted_speedup"] - 1) for d in run["decisions"]
+               if d["predicted_speedup"] and d["realised_estimator"] == kind]
+        for kind in ("paired", "unpaired")
+    }  # fmt: skip
     median_error = statistics.median(errors) if errors else float("nan")
     median_abs = statistics.median(abs(e) for e in errors) if errors else float("nan")
     phase_floor = min(t.tok_s / b.tok_s for t, b in zip(tuned, base))
@@ -54,7 +59,9 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
         f"{_total(tuned) / _total(oracle):.1%} of oracle",
         f"{_total(tuned) / _total(static[5]):.2f}x static N=5",
         f"worst phase {phase_floor:.2f}x",
-        f"median error {median_error:+.1%}, median abs {median_abs:.1%} over {len(errors)} decisions",
+        f"median error {median_error:+.1%}, median abs {median_abs:.1%} over {len(errors)} decisions ("
+        + ", ".join(f"{k} {statistics.median(v):.1%} over {len(v)}" for k, v in by_estimator.items() if v)
+        + ")",
     ]
     lines += ["", "| criterion | measured | met |", "|---|---|---|"]
     lines += [f"| {k} | {v} | {'yes' if ok else '**no**'} |" for (k, ok), v in zip(criteria.items(), values)]
@@ -70,7 +77,7 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
     start = run["decisions"][0]["at"] if run["decisions"] else None
     for d in applied:
         minutes = (d["at"] - start).total_seconds() / 60 + 1 if start else 0
-        real = "-" if d["realised_speedup"] is None else f"{d['realised_speedup']:.2f}x"
+        real = _realised(d)
         pred = "-" if d["predicted_speedup"] is None else f"{d['predicted_speedup']:.2f}x"
         reason = d["inputs"]["reason"].replace("|", "/")
         lines.append(
@@ -86,3 +93,11 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
     for c, n, sim, measured in fidelity(cal):
         lines.append(f"| {c} | {n} | {sim:.2f} | {measured:.2f} | {sim / measured:.2f} |")
     return lines, criteria
+
+
+def _realised(d: dict) -> str:
+    if d["realised_speedup"] is None:
+        return "-"
+    if d["realised_estimator"] == "paired":
+        return f"{d['realised_speedup']:.2f}x ({d['realised_low']:.2f}-{d['realised_high']:.2f}, paired)"
+    return f"{d['realised_speedup']:.2f}x (unpaired)"
