@@ -248,7 +248,7 @@ class TunerDecision(Base):
     n_after: Mapped[int] = mapped_column(Integer)
     predicted_speedup: Mapped[float | None] = mapped_column(Float)
     realised_speedup: Mapped[float | None] = mapped_column(Float)
-    # How the realised speedup was measured (``tuner/job.py``, ``REALISED_ESTIMATORS``): "paired" (plain
+    # How the realised speedup was measured (``tuner/outcomes.py``): "paired" (plain
     # and N steps in the same minutes, with its 90 % interval and minutes) or "unpaired" (no interval).
     realised_estimator: Mapped[str | None] = mapped_column(String(16))
     realised_low: Mapped[float | None] = mapped_column(Float)

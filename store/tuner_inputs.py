@@ -282,7 +282,7 @@ class Realised:
     """What a decision's setting delivered against plain, and how it was measured."""
 
     speedup: float
-    estimator: str  # "paired" | "unpaired" (``tuner/job.py``, ``REALISED_ESTIMATORS``)
+    estimator: str  # "paired" | "unpaired" (``tuner/outcomes.py``)
     low: float | None = None  # the 90 % interval, paired only
     high: float | None = None
     minutes: int | None = None  # paired minutes it came from

@@ -21,8 +21,10 @@ Each run also closes earlier decisions: the *realised* speedup of a decision
 is what its setting delivered against plain while it was in force, in tokens/s
 (``outcomes.py``): from paired minutes (plain and N steps in the same minutes)
 with a 90 % interval where the span had them, else unpaired against the cost
-window's plain steps; each row says which (``realised_estimator``).  A decision
-stays open while neither side has been measured.
+window's plain steps; each row says which (``realised_estimator``).  Where
+neither can be had (under 3 paired minutes, and under 30 steps on a side for
+the unpaired ratio) a decision stays open (for up to four windows), never
+closed against the model's own t0.
 Every decision row states its baseline (``inputs.baseline``).
 
 Decisions are per prompt class across the fleet (records of every instance).

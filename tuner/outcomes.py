@@ -3,7 +3,7 @@
 A decision's setting is in force from the decision until the class's next applied change (a
 ``keep`` row continues the setting before it).  Its realised speedup is what serving at its N at
 its busiest bucket delivered over that span, as tokens/s against plain tokens/s, every step counted
-(prompts' steps included), measured one of two ways (``REALISED_ESTIMATORS``):
+(prompts' steps included), measured one of two ways (the decision row's ``realised_estimator``):
 
 - ``paired``: ``paired_cost.paired_speedup`` over the span's paired minutes -- plain steps (control
   requests, cost probes, probes) and steps at N in the same minute of one instance -- so the
@@ -26,15 +26,8 @@ from datetime import datetime, timedelta
 from spectune.store.tuner_inputs import Realised, StepMinute, paired_throughput_of, throughput_of
 
 from .goodput import measured_speedups
-from .paired_cost import SPEEDUP_ESTIMATOR, paired_speedup
+from .paired_cost import paired_speedup
 
-REALISED_ESTIMATORS = {
-    "paired": SPEEDUP_ESTIMATOR + ", over the minutes the decision's setting was in force",
-    "unpaired": (
-        "unpaired: tokens/s at N over the decision's span over plain steps' tokens/s in the last cost "
-        "window (drift between those minutes does not cancel; no interval)"
-    ),
-}
 LANDED = timedelta(minutes=1)  # the minute a span ends in still holds its steps
 
 

@@ -35,7 +35,8 @@ ESTIMATOR = (
 )
 
 # One minute at one bucket of one instance: (plain steps, their seconds, steps at N, their seconds,
-# and optionally the tokens each side generated: plain, at N) -- ``store.tuner_inputs.paired_of``.
+# and optionally the tokens each side generated: plain, at N) -- ``store.tuner_inputs.paired_of`` (decode
+# steps, for the cost) and ``paired_throughput_of`` (every step with its tokens, for the speedup).
 MinutePair = tuple[int, float, int, float] | tuple[int, float, int, float, int, int]
 SPEEDUP_ESTIMATOR = (
     "paired minutes: weighted geometric mean of each minute's tokens/s at N over plain tokens/s at this "

@@ -53,14 +53,13 @@ def read_run(
     steps = {b: sum(per.values()) for b, per in counts.items()}
     _, recent_counts = inputs.times_of(minutes, now - window, now)
     traffic = recent_counts or counts
-    prefill = inputs.prefill_of(minutes, now - cost_window, now)
     return RunReads(
         window=inputs.acceptance_counts(db, now - window, now),
         recent=inputs.acceptance_counts(db, now - interval, now),
         history=functools.cache(lambda: inputs.acceptance_counts(db, max(now - cost_window, since), now)),
         times=times,
         counts=counts,
-        prefill={b: PrefillCost(**entry) for b, entry in prefill.items()},
+        prefill=_prefill(minutes, now - cost_window, now),
         steps=steps,
         busiest=busiest_bucket(traffic),
         drafting=inputs.drafting_share_of(minutes, now - window, now),
