@@ -170,34 +170,86 @@ def _exact_latency(db, since, until, instance, prompt_class, quantiles) -> dict[
             for metric in LATENCY_METRICS:
                 out[cls][metric] = {name: None for name, _ in quantiles}
         for metric in LATENCY_METRICS:
-            for cls, name, value in _percentiles(conn, db.dialect.name, metric, where, params, quantiles):
+            for (cls,), name, value in _percentiles(conn, db.dialect.name, metric, where, params, quantiles):
                 out[cls][metric][name] = value
     return out
 
 
-def _percentiles(conn, dialect: str, metric: str, where: str, params: dict, quantiles):
-    """(class, quantile name, value) rows: the value at rank ceil(q * n) of the class's non-null values."""
+ARM_QUANTILES = (("p50", 0.5), ("p95", 0.95))
+# 1 where the request was admitted speculating (N > 0), 0 where it ran plain
+_SPECULATING = "CASE WHEN r.num_speculative_tokens > 0 THEN 1 ELSE 0 END"
+
+
+@dataclass(frozen=True)
+class ArmLatency:
+    """One arm's requests (speculating or plain) and nearest-rank percentiles of their time to first
+    token and time per output token (None where no record has the metric)."""
+
+    requests: int
+    ttft_s: dict[str, float | None]
+    tpot_s: dict[str, float | None]
+
+
+def latency_by_arm(
+    db: Engine,
+    since: datetime,
+    until: datetime | None = None,
+    prompt_class: str | None = None,
+    batch: tuple[float, float] | None = None,
+) -> dict[str, dict[bool, ArmLatency]]:
+    """class -> {speculating: its ``ArmLatency``} over every record finished in [since, until).
+    Speculating: N > 0 at admission; plain: N = 0 (a class that is off, a control request, a batch its
+    table keeps plain).  ``batch`` (lo, hi): only records whose mean batch size lies in (lo, hi]."""
+    where, params = _filters(since, until, None, prompt_class)
+    if batch is not None:
+        where += " AND r.batch_size_mean > :batch_lo AND r.batch_size_mean <= :batch_hi"
+        params.update(batch_lo=batch[0], batch_hi=batch[1])
+    keys = ("r.prompt_class", _SPECULATING)
+    counts = _statement(
+        f"SELECT {', '.join(keys)}, count(*) FROM request_records r WHERE {where} GROUP BY {', '.join(keys)}", params
+    )
+    values: dict[tuple, dict[str, dict[str, float | None]]] = {}
+    with db.connect() as conn:
+        requests = {(cls, bool(arm)): int(k) for cls, arm, k in conn.execute(counts, params)}
+        for metric in ("ttft_s", "tpot_s"):
+            for (cls, arm), name, value in _percentiles(
+                conn, db.dialect.name, metric, where, params, ARM_QUANTILES, keys
+            ):
+                values.setdefault((cls, bool(arm)), {}).setdefault(metric, {})[name] = value
+    out: dict[str, dict[bool, ArmLatency]] = {}
+    for (cls, arm), k in requests.items():
+        got = values.get((cls, arm), {})
+        none = {name: None for name, _ in ARM_QUANTILES}
+        out.setdefault(cls, {})[arm] = ArmLatency(k, got.get("ttft_s", none), got.get("tpot_s", none))
+    return out
+
+
+def _percentiles(conn, dialect: str, metric: str, where: str, params: dict, quantiles, keys=("r.prompt_class",)):
+    """(key, quantile name, value) rows per group of ``keys`` (SQL expressions; the key is their
+    tuple): the value at rank ceil(q * n) of the group's non-null values."""
+    group = ", ".join(keys)
     if dialect == "postgresql":
         columns = ", ".join(f"percentile_disc({q}) WITHIN GROUP (ORDER BY r.{metric})" for _, q in quantiles)
-        sql = f"SELECT r.prompt_class, {columns} FROM request_records r WHERE {where} AND r.{metric} IS NOT NULL"
-        for row in conn.execute(_statement(sql + " GROUP BY r.prompt_class", params), params):
-            for (name, _), value in zip(quantiles, row[1:], strict=True):
-                yield row[0], name, value
+        sql = f"SELECT {group}, {columns} FROM request_records r WHERE {where} AND r.{metric} IS NOT NULL"
+        for row in conn.execute(_statement(sql + f" GROUP BY {group}", params), params):
+            for (name, _), value in zip(quantiles, row[len(keys) :], strict=True):
+                yield tuple(row[: len(keys)]), name, value
         return
     # ceil(q * n) without SQLite's optional math functions; the same doubles as Python's
     ranks = " OR ".join(f"rn = max(1, CAST({q} * n AS INTEGER) + ({q} * n > CAST({q} * n AS INTEGER)))"
                         for _, q in quantiles)  # fmt: skip
+    named = ", ".join(f"{k} AS k{i}" for i, k in enumerate(keys))
     sql = f"""
-        SELECT prompt_class, rn, n, v FROM (
-            SELECT r.prompt_class, r.{metric} AS v,
-                   row_number() OVER (PARTITION BY r.prompt_class ORDER BY r.{metric}) AS rn,
-                   count(*) OVER (PARTITION BY r.prompt_class) AS n
+        SELECT {", ".join(f"k{i}" for i in range(len(keys)))}, rn, n, v FROM (
+            SELECT {named}, r.{metric} AS v,
+                   row_number() OVER (PARTITION BY {group} ORDER BY r.{metric}) AS rn,
+                   count(*) OVER (PARTITION BY {group}) AS n
             FROM request_records r WHERE {where} AND r.{metric} IS NOT NULL
         ) WHERE {ranks}"""
-    for cls, rn, n, value in conn.execute(_statement(sql, params), params):
+    for *key, rn, n, value in conn.execute(_statement(sql, params), params):
         for name, q in quantiles:
             if rn == max(1, math.ceil(q * n)):
-                yield cls, name, value
+                yield tuple(key), name, value
 
 
 def timeseries_by_class(db: Engine, since: datetime, bucket_s: float) -> list[tuple[str, float, int, int, int, int]]:

@@ -254,6 +254,8 @@ class TunerDecision(Base):
     realised_low: Mapped[float | None] = mapped_column(Float)
     realised_high: Mapped[float | None] = mapped_column(Float)
     realised_minutes: Mapped[int | None] = mapped_column(Integer)
+    # TTFT and TPOT of the setting against plain requests over the same span (``outcomes.latency``).
+    realised_latency: Mapped[dict[str, Any] | None] = mapped_column(Json)
     inputs: Mapped[dict[str, Any]] = mapped_column(Json)
     applied: Mapped[bool] = mapped_column(Boolean)
     leader_epoch: Mapped[int | None] = mapped_column(BigInteger)  # the lease epoch of the tuner that decided

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, func, select, update
 
-from .aggregates import acceptance_by_class
+from .aggregates import ArmLatency, acceptance_by_class, latency_by_arm
 from .models import StepStat, TunerDecision
 
 
@@ -277,6 +277,14 @@ class ChangeTimes:
         return times[i] if i < len(times) else None
 
 
+def span_latency(
+    db: Engine, prompt_class: str, bucket: int, since: datetime, until: datetime
+) -> dict[bool, ArmLatency]:
+    """{speculating: latency} of a class's requests finished in [since, until) whose mean batch size
+    falls in ``bucket`` (the steps' power-of-two buckets: 8 holds 5-8, as (4, 8])."""
+    return latency_by_arm(db, since, until, prompt_class, batch=(bucket // 2, bucket)).get(prompt_class, {})
+
+
 @dataclass(frozen=True)
 class Realised:
     """What a decision's setting delivered against plain, and how it was measured."""
@@ -286,6 +294,7 @@ class Realised:
     low: float | None = None  # the 90 % interval, paired only
     high: float | None = None
     minutes: int | None = None  # paired minutes it came from
+    latency: dict | None = None  # TTFT and TPOT of its setting against plain (``outcomes.latency``)
 
 
 def set_realised(db: Engine, outcomes: dict[int, Realised]) -> None:

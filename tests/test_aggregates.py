@@ -10,9 +10,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spectune.store.aggregates import (
+    ARM_QUANTILES,
     LATENCY_METRICS,
     QUANTILES,
     acceptance_by_class,
+    latency_by_arm,
     latency_by_class,
     timeseries_by_class,
 )
@@ -113,6 +115,43 @@ def test_aggregates_equal_a_brute_force_reference(db_url, seed):
                         want = {name: percentile(values, q) if values else None for name, q in QUANTILES}
                         rel = entry["percentile_error"] or 1e-12  # ranges over 2 h: histograms, bound declared
                         assert entry[metric] == (pytest.approx(want, rel=rel * 1.0001) if values else want), (c, metric)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_latency_by_arm_equals_a_brute_force_reference(db_url, seed):
+    """Per class and arm (speculating: N > 0 at admission), optionally at one batch bucket (mean batch
+    size in (lo, hi]): request counts and nearest-rank TTFT / TPOT percentiles, exactly."""
+    upgrade(db_url)
+    db = make_engine(db_url)
+    rng = random.Random(seed)
+    batches = [None, 1.0, 1.5, 4.0, 4.5, 8.0]  # bucket edges: (lo, hi] holds hi, not lo
+    records = [
+        r.model_copy(
+            update={"num_speculative_tokens": rng.choice([0, 0, 1, 3]), "batch_size_mean": rng.choice(batches)}
+        )
+        for r in _records(500, seed)
+    ]
+    insert_records(db, records)
+    since, until = NOW - timedelta(minutes=40), NOW - timedelta(minutes=3)
+    for cls, batch in ((None, None), ("qa", (0, 1)), ("code", (4, 8)), (None, (1, 2))):
+        got = latency_by_arm(db, since, until, cls, batch)
+        want: dict = {}
+        for r in records:
+            at = datetime.fromtimestamp(r.finish_time, UTC)
+            if not since <= at < until or (cls is not None and r.prompt_class != cls):
+                continue
+            if batch is not None and (r.batch_size_mean is None or not batch[0] < r.batch_size_mean <= batch[1]):
+                continue
+            want.setdefault(r.prompt_class, {}).setdefault(r.num_speculative_tokens > 0, []).append(r)
+        assert {c: set(arms) for c, arms in got.items()} == {c: set(arms) for c, arms in want.items()}
+        for c, arms in want.items():
+            for arm, rows in arms.items():
+                entry = got[c][arm]
+                assert entry.requests == len(rows)
+                for metric in ("ttft_s", "tpot_s"):
+                    values = sorted(getattr(r, metric) for r in rows if getattr(r, metric) is not None)
+                    expected = {name: percentile(values, q) if values else None for name, q in ARM_QUANTILES}
+                    assert getattr(entry, metric) == expected, (c, arm, metric)
 
 
 def test_nearest_rank_at_rank_boundaries(db_url):

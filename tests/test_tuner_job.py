@@ -580,6 +580,16 @@ def test_a_decision_is_realised_from_the_minutes_its_setting_ran_beside_plain(tm
         _steps(db, start + 60 * m, {1: per_n}, steps=100)
         ratios.append((1 + _accepted_per_step(n)) / ((0.10 + 0.01 * n) * wobble / 0.10))
 
+    # Its requests: at N at batch 1, plain beside them (control requests), plain at batch 5 (the table's
+    # plain bucket) and before the decision (another setting): only the first two count, by arm.
+    def requests(k, n_at, batch, ttft, tpot, at):
+        update = {"num_speculative_tokens": n_at, "batch_size_mean": batch, "ttft_s": ttft, "tpot_s": tpot}
+        return [r.model_copy(update=update) for r in _good_records(k, at, f"l{n_at}-{batch}-{at}")]
+
+    at_n, plain = requests(30, n, 1.0, 0.30, 0.05, start + 100), requests(10, 0, 1.0, 0.20, 0.10, start + 200)
+    elsewhere = requests(10, 0, 4.5, 5.0, 0.40, start + 200) + requests(10, n, 1.0, 9.0, 0.05, start - 10)
+    insert_records(db, at_n + plain + elsewhere)
+
     def realised():
         with db.connect() as conn:
             row = conn.execute(select(TunerDecision.__table__)).one()  # the one decision
@@ -594,6 +604,13 @@ def test_a_decision_is_realised_from_the_minutes_its_setting_ran_beside_plain(tm
         assert estimator == "paired" and minutes == 6
         assert speedup == pytest.approx(geometric_mean(ratios), rel=1e-3)  # equal weights; whole tokens per row
         assert low < speedup < high < 1.05 * low  # a 90 % interval from the minutes' +-2 % disagreement
+        with db.connect() as conn:
+            latency = conn.execute(select(TunerDecision.realised_latency)).scalar_one()
+        assert (latency["bucket"], latency["n"]) == (1, n)
+        assert latency["setting"]["requests"] == 30 and latency["plain"]["requests"] == 10
+        assert latency["setting"]["ttft_s"] == {"p50": 0.30, "p95": 0.30}
+        vs_plain = {"ttft_p50": 1.5, "ttft_p95": 1.5, "tpot_p50": 0.5, "tpot_p95": 0.5}
+        assert latency["vs_plain"] == pytest.approx(vs_plain)
         return
     assert tuner.close_decisions(tuner.clock()) == 0  # a control request may yet come
     now[0] = start + 11 * 60
@@ -601,3 +618,48 @@ def test_a_decision_is_realised_from_the_minutes_its_setting_ran_beside_plain(tm
     speedup, estimator, low, high, minutes = realised()
     assert estimator == "unpaired" and low is None and high is None and minutes is None
     assert speedup < 0.75 * min(ratios)  # against the cost window's fast plain minute: drift not cancelled
+
+
+def test_a_ttft_budget_switches_speculation_off_even_in_a_cooldown_and_keeps_it_off_until_it_holds(tmp_path):
+    """Budget 0.5 s: the class came on (a cooldown starts), then its speculating requests take 0.8 s
+    to the first token at p95 while plain ones beside them take 0.3 s: off at the next run, cooldown or
+    not.  Off, its goodput would bring it back, but the hour's speculating requests still break the
+    budget (a few fast probes are too few to say); once enough probes are within it, it comes back on."""
+    changes = []
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), changes, speculation_enabled=False, n_min=1,
+                                    n_max=3, cooldown_s=600, ttft_budget_s=0.5)  # fmt: skip
+    start = now[0]
+
+    def runs(k: int):
+        for m in range(k):  # both sides measured every minute
+            _steps(db, now[0] - 60 * (m + 1), {1: {0: 0.10, 3: 0.12}})
+        (row,) = tuner.run_once()
+        return row
+
+    def requests(k: int, ttft: float, at: float, speculating: bool = True):
+        plain = {"num_speculative_tokens": 0, "drafted_per_position": [], "accepted_per_position": [],
+                 "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_spec_steps": 0}  # fmt: skip
+        update = {"ttft_s": ttft, **({} if speculating else plain)}
+        return [r.model_copy(update=update) for r in _good_records(k, at, f"t{ttft}-{speculating}-{at}")]
+
+    insert_records(db, requests(40, 0.05, start - 30))
+    row = runs(4)
+    assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]
+
+    now[0] = start + 120  # in the cooldown
+    insert_records(db, requests(30, 0.8, now[0] - 30) + requests(25, 0.3, now[0] - 30, speculating=False))
+    row = runs(2)
+    assert row["action"] == "off" and row["applied"] and row["n_after"] == 0, row["inputs"]["reason"]
+    assert row["inputs"]["reason"].startswith("TTFT budget: p95 0.80 s") and "plain 0.30 s" in row["inputs"]["reason"]
+    assert changes[-1].body["classes"]["qa"]["speculation_enabled"] is False
+
+    now[0] = start + 120 + 660  # past the cooldown and the window: ten fast probes
+    insert_records(db, requests(10, 0.05, now[0] - 30))
+    row = runs(2)
+    assert row["action"] == "keep" and not row["applied"], row["inputs"]["reason"]
+    assert "probes predict" in row["inputs"]["reason"] and "TTFT budget: p95 0.80 s" in row["inputs"]["reason"]
+
+    insert_records(db, requests(30, 0.05, now[0] - 20))  # enough probes in the window, within the budget
+    now[0] += 60
+    row = runs(2)
+    assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]

@@ -14,8 +14,11 @@ changed less than ``cooldown_s`` ago is left alone -- except by the guard:
 where serving at the class's N measured slower than plain in the same minutes
 (``paired_cost.paired_speedup``, whole interval below 1; the plain side comes
 from control requests, cost probes and probes), its busiest bucket runs plain
-from the next interval.  When a class goes off for low acceptance, a draft
-diagnosis is started.
+from the next interval.  So does a class's TTFT budget: where its speculating
+requests' p95 time to first token is above it and plain ones are faster, the
+class goes off, and stays off until its probes are within it
+(``decide.ttft_over_budget``).  When a class goes off for low acceptance, a
+draft diagnosis is started.
 
 Each run also closes earlier decisions: the *realised* speedup of a decision
 is what its setting delivered against plain while it was in force, in tokens/s
@@ -24,7 +27,8 @@ with a 90 % interval where the span had them, else unpaired against the cost
 window's plain steps; each row says which (``realised_estimator``).  Where
 neither can be had (under 3 paired minutes, and under 30 steps on a side for
 the unpaired ratio) a decision stays open (for up to four windows), never
-closed against the model's own t0.
+closed against the model's own t0.  With it come the TTFT and time per token of
+the setting's requests against plain ones over the same span (``realised_latency``).
 Every decision row states its baseline (``inputs.baseline``).
 
 Decisions are per prompt class across the fleet (records of every instance).
@@ -41,7 +45,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -62,6 +66,8 @@ from .decide import (
     drafts_at,
     guard,
     open_for_probes,
+    ttft_guard,
+    ttft_over_budget,
 )
 from .goodput import (
     acceptance_shifted,
@@ -71,7 +77,7 @@ from .goodput import (
     speedup,
     speedup_interval,
 )
-from .outcomes import LANDED, realised
+from .outcomes import LANDED, latency, realised
 from .paired_cost import ESTIMATOR, SPEEDUP_ESTIMATOR, control_share
 from .policy import Policy, PolicyDocument, TunerMode, draft_key, effective_policy
 from .reads import RunReads, read_run
@@ -245,8 +251,13 @@ class Tuner:
         table, probes = policy.batch_table, set()
         if d.acceptance is None:
             alphas = None
+        budget = policy.ttft_budget_s
+        over = None if budget is None else ttft_over_budget(budget, reads.latency().get(cls, {}))
+        if over is not None and not policy.speculation_enabled and d.enabled:
+            # Off, and what it would gain does not buy the latency back.
+            d = replace(d, action="keep", enabled=False, n=policy.num_speculative_tokens, reason=f"{d.reason}; {over}")
         reprobe = busiest is not None and not drafts_at(policy, busiest) and self._reprobe(d, busiest)
-        guarded = guard(policy, reads.measured, busiest, d.acceptance)
+        guarded = guard(policy, reads.measured, busiest, d.acceptance) or ttft_guard(policy, over, d.acceptance)
         if guarded is not None:
             d, table = guarded
         elif cooling:
@@ -397,6 +408,8 @@ class Tuner:
             outcome = realised(minutes, dec["at"], dec["batch_bucket"], dec["n_after"], changed, now, plain,
                                settle=self.window, patience=2 * self.window)  # fmt: skip
             if outcome is not None:
-                closed[dec["id"]] = outcome
+                cls, bucket = dec["prompt_class"], dec["batch_bucket"]
+                arms = {} if bucket is None else inputs.span_latency(self.db, cls, bucket, dec["at"], changed or now)
+                closed[dec["id"]] = replace(outcome, latency=latency(arms, bucket, dec["n_after"]))
         inputs.set_realised(self.db, closed)
         return len(closed)

@@ -17,12 +17,19 @@ When: a span that is still in force closes once it is ``settle`` long and holds
 request may yet come) before it closes unpaired.  A span that ended closes at once: it will get no
 more minutes.  Steps are per batch bucket, not per class: classes that share a bucket and an N share
 its measurement.
+
+Latency counts too: ``latency`` sets a decision's time to first token and per output token
+against plain requests of its class at its bucket over the same span (control requests where it
+spoke; none at larger batches, where control requests are not drawn).
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime, timedelta
+from typing import Any
 
+from spectune.store.aggregates import ArmLatency
 from spectune.store.tuner_inputs import Realised, StepMinute, paired_throughput_of, throughput_of
 
 from .goodput import measured_speedups
@@ -58,3 +65,21 @@ def realised(
     span = throughput_of(minutes, at, until).get(bucket, {})
     ratio = measured_speedups({bucket: {n: span[n]}} if n in span else {}, plain).get(bucket, {}).get(n)
     return None if ratio is None else Realised(ratio, "unpaired")
+
+
+def latency(arms: dict[bool, ArmLatency], bucket: int, n: int) -> dict[str, Any] | None:
+    """A closed decision's ``realised_latency``: its setting's requests (speculating at ``bucket``
+    over its span) and the plain ones beside them, each with TTFT and TPOT p50 / p95, and setting /
+    plain per percentile where both sides have it.  None where no request ran at the setting."""
+    setting, plain = arms.get(True), arms.get(False)
+    if setting is None:
+        return None
+    ratios: dict[str, float] = {}
+    if plain is not None:
+        for metric in ("ttft_s", "tpot_s"):
+            for q, value in getattr(setting, metric).items():
+                base = getattr(plain, metric).get(q)
+                if value is not None and base:
+                    ratios[f"{metric.removesuffix('_s')}_{q}"] = value / base
+    return {"bucket": bucket, "n": n, "setting": asdict(setting), "plain": None if plain is None else asdict(plain),
+            "vs_plain": ratios}  # fmt: skip
