@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from spectune.engine.schema import BatchRange, n_for_batch
+from spectune.store.aggregates import ArmLatency
 
 from .cost import CostFit
 from .goodput import MIN_TRIALS, bucket_sizes, choose_n, position_acceptance, speedup, stay_margin
@@ -28,6 +29,7 @@ Action = Literal["keep", "set_n", "explore", "off", "on", "set_table", "cost_pro
 # {bucket: {N: tokens/s at N over plain tokens/s, from paired minutes}} (``paired_cost.paired_speedup``).
 Measured = dict[int, dict[int, RatioEstimate]]
 MIN_DRAFTS = MIN_TRIALS  # below this many first-position trials the prior dominates: decide nothing
+MIN_LATENCY_REQUESTS = 20  # an arm's p95 is read from at least this many requests (rank 19 of 20)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,33 @@ def guard(
     )
     decision = ClassDecision("guard", True, policy.num_speculative_tokens, 1.0, acceptance, False, why)
     return decision, table
+
+
+def ttft_over_budget(budget_s: float | None, arms: dict[bool, ArmLatency]) -> str | None:
+    """Why a class's speculation breaks its TTFT budget (p95 of its speculating requests above it), or
+    None: no budget, too few speculating requests to say, within it, or plain requests measured no
+    faster to the first token (then speculation is not what breaks it: the load is)."""
+    spec, plain = arms.get(True), arms.get(False)
+    if budget_s is None or spec is None or spec.requests < MIN_LATENCY_REQUESTS:
+        return None
+    p95 = spec.ttft_s.get("p95")
+    if p95 is None or p95 <= budget_s:
+        return None
+    base = plain.ttft_s.get("p95") if plain is not None and plain.requests >= MIN_LATENCY_REQUESTS else None
+    if base is not None and base >= p95:
+        return None
+    beside = "no plain requests to compare" if base is None else f"plain {base:.2f} s"
+    return f"TTFT budget: p95 {p95:.2f} s while speculating ({spec.requests} requests) > {budget_s:.2f} s ({beside})"
+
+
+def ttft_guard(
+    policy: Policy, over: str | None, acceptance: float | None
+) -> tuple[ClassDecision, list[BatchRange]] | None:
+    """A speculating class over its TTFT budget (``over``: ``ttft_over_budget``'s reason) runs plain
+    from the next interval, cooldown or not.  None where it does not apply."""
+    if over is None or not policy.speculation_enabled:
+        return None
+    return ClassDecision("off", False, policy.num_speculative_tokens, 1.0, acceptance, False, over), policy.batch_table
 
 
 def drafts_at(policy: Policy, bucket: int) -> bool:

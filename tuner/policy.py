@@ -55,6 +55,7 @@ class PolicyOverride(BaseModel):
     min_gain: float | None = Field(default=None, ge=0.0, le=1.0)
     explore_margin: float | None = Field(default=None, ge=0.0, le=1.0)
     fidelity_audit_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    ttft_budget_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
 
 class Policy(BaseModel):
@@ -120,6 +121,14 @@ class Policy(BaseModel):
         le=10.0,
         description="A divergence where the target's top-2 logprob margin is below this in both runs is a "
         "numeric near-tie, not a defect",
+    )
+
+    ttft_budget_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=3600.0,
+        description="p95 time to first token (s) the class may take while speculating: where its speculating "
+        "requests measure above it and plain ones do not, the tuner switches it off and keeps it off (None: no budget)",
     )
 
     @model_validator(mode="after")
