@@ -39,6 +39,16 @@ REPORT = {
 }  # fmt: skip
 
 
+def _latency(ttft_p95: float, plain_p95: float | None) -> dict:
+    """A ``realised_latency`` (``tuner/outcomes.latency``): the setting's TTFT p95, plain's beside it
+    (None: no plain request ran beside it), TPOT 0.05 s against plain's 0.08 s."""
+    arm = lambda p95, k: {"requests": k, "ttft_s": {"p50": p95 / 2, "p95": p95}, "tpot_s": {"p50": 0.05, "p95": 0.06}}  # noqa: E731
+    plain = None if plain_p95 is None else {**arm(plain_p95, 12), "tpot_s": {"p50": 0.08, "p95": 0.09}}
+    vs = {} if plain is None else {"ttft_p50": ttft_p95 / plain_p95, "ttft_p95": ttft_p95 / plain_p95,
+                                   "tpot_p50": 0.05 / 0.08, "tpot_p95": 0.06 / 0.09}  # fmt: skip
+    return {"bucket": 1, "n": 5, "setting": arm(ttft_p95, 40), "plain": plain, "vs_plain": vs}
+
+
 def seed(url: str) -> None:
     upgrade(url)
     db = make_engine(url)
@@ -58,15 +68,16 @@ def seed(url: str) -> None:
             dict(at=now - timedelta(minutes=10), instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto",
                  action="set_n", n_before=3, n_after=5, predicted_speedup=1.42, realised_speedup=1.37, applied=True,
                  realised_estimator="paired", realised_low=1.30, realised_high=1.44, realised_minutes=4,
-                 inputs={"reason": "goodput argmax N=6 (1.48x vs 1.30x)"}),
+                 realised_latency=_latency(2.08, 1.60), inputs={"reason": "goodput argmax N=6 (1.48x vs 1.30x)"}),
             dict(at=now - timedelta(minutes=8), instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto",
                  action="keep", n_before=5, n_after=5, predicted_speedup=1.40, realised_speedup=2.15, applied=False,
-                 realised_estimator="unpaired", inputs={"reason": "N=5 stays"}),
+                 realised_estimator="unpaired", realised_latency=_latency(2.2, None), inputs={"reason": "N=5 stays"}),
             dict(at=now - timedelta(minutes=5), instance_id="*", prompt_class="long", batch_bucket=1, mode="auto",
                  action="off", n_before=3, n_after=0, predicted_speedup=0.83, realised_speedup=None, applied=True,
                  inputs={"reason": "acceptance 12% < floor 70% and predicted speedup 0.83x < 1: speculation off"}),
         ]  # fmt: skip
-        unmeasured = dict(realised_estimator=None, realised_low=None, realised_high=None, realised_minutes=None)
+        unmeasured = dict(realised_estimator=None, realised_low=None, realised_high=None, realised_minutes=None,
+                          realised_latency=None)  # fmt: skip
         conn.execute(insert(TunerDecision), [{**unmeasured, **d} for d in decisions])
         done = conn.execute(
             insert(DiagnosticsReport).values(

@@ -103,6 +103,12 @@ def test_tuner_shows_decisions_and_switches_mode(api_url):
     assert caption.startswith("1 decisions measured in paired minutes") and ", 1 unpaired" in caption
     decisions = table(at, "prompt_class", "action", "n_after", "realised_estimator", "realised_low", "reason")
     assert decisions["action"].tolist() == ["off", "keep", "set_n"]
+    # Latency: the draft's prefill raised TTFT p95 by 30 % over the plain requests beside it; the
+    # unpaired decision had none beside it (its TTFT is shown, not compared).
+    assert metrics(at)["Median TTFT p95 change vs plain"] == "+30.0%"  # 2.08 / 1.60
+    (caption,) = [c.value for c in at.caption if "plain requests of their class" in c.value]
+    assert caption.startswith("1 decisions with plain requests") and ", 1 without" in caption
+    assert decisions["ttft_p95_vs_plain"].round(2).fillna(-1).tolist() == [-1, -1, 1.3]  # off, keep, set_n
     at.selectbox(key="tuner_mode").set_value("advise").run()
     at.button(key="apply_mode").click().run()
     assert at.success and "advise" in at.success[0].value

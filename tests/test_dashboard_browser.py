@@ -22,7 +22,7 @@ from dashboard_seed import seed
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "var" / "test-artifacts" / "dashboard"
 CHROMIUM = "/usr/bin/chromium"
-CHARTS = {"Overview": 2, "Acceptance": 2, "Tuner": 3, "Policies": 0, "Diagnostics": 0, "Alerts": 0}
+CHARTS = {"Overview": 2, "Acceptance": 2, "Tuner": 4, "Policies": 0, "Diagnostics": 0, "Alerts": 0}
 
 
 def _start_dashboard(api_url: str, root: Path) -> tuple[subprocess.Popen, str]:

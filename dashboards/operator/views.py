@@ -11,12 +11,10 @@ import pandas as pd
 import streamlit as st
 
 from .client import Api, ApiError
+from .tuner_page import tuner
+from .widgets import empty
 
 ACCEPTANCE_LINE = 0.70
-
-
-def _empty(what: str) -> None:
-    st.info(f"No {what} in this time range yet. Serve some requests (or widen the range) and it appears here.")
 
 
 def overview(api: Api, window_s: float, who: dict) -> None:
@@ -44,7 +42,7 @@ def overview(api: Api, window_s: float, who: dict) -> None:
     )
     st.subheader(f"Acceptance over time ({ACCEPTANCE_LINE:.0%} line)")
     if points.empty:
-        _empty("requests")
+        empty("requests")
     else:
         points["time"] = pd.to_datetime(points["time"])
         line = (
@@ -78,7 +76,7 @@ def overview(api: Api, window_s: float, who: dict) -> None:
     if rows:
         st.dataframe(pd.DataFrame(rows), hide_index=True, key="latency_table")
     else:
-        _empty("requests")
+        empty("requests")
 
 
 def acceptance(api: Api, window_s: float, who: dict) -> None:
@@ -87,7 +85,7 @@ def acceptance(api: Api, window_s: float, who: dict) -> None:
     rows = [{"class": g["class"], **p} for g in groups for p in g.get("positions", [])]
     st.subheader("Per draft position")
     if not rows:
-        _empty("drafted tokens")
+        empty("drafted tokens")
     else:
         positions = pd.DataFrame(rows)
         st.altair_chart(
@@ -110,7 +108,7 @@ def acceptance(api: Api, window_s: float, who: dict) -> None:
     cells = pd.DataFrame(api.get("/api/v1/stats/acceptance", window_s=window_s, group_by="batch_bucket")["groups"])
     cells = cells[cells["n"] > 0] if not cells.empty else cells
     if cells.empty:
-        _empty("speculative engine steps")
+        empty("speculative engine steps")
     else:
         st.altair_chart(
             alt.Chart(cells)
@@ -124,90 +122,6 @@ def acceptance(api: Api, window_s: float, who: dict) -> None:
             width="stretch",
         )
         st.dataframe(cells, hide_index=True, key="heatmap_table")
-
-
-def _decisions(api: Api) -> pd.DataFrame:
-    data = api.get("/api/v1/decisions", limit=1000)
-    if not data:
-        return pd.DataFrame()
-    df = pd.DataFrame(data)
-    df["reason"] = df["inputs"].map(lambda i: (i or {}).get("reason"))
-    df["at"] = pd.to_datetime(df["at"])
-    return df.drop(columns=["inputs"])
-
-
-def tuner(api: Api, window_s: float, who: dict) -> None:
-    st.header("Tuner")
-    policy, etag = api.policy()
-    mode = policy["policy"].get("global", {}).get("tuner_mode", "auto")
-    st.metric("Mode (global)", mode)
-    modes = ["auto", "advise", "frozen"]
-    new_mode = st.selectbox("Switch mode", modes, index=modes.index(mode), key="tuner_mode")
-    if st.button("Apply mode", key="apply_mode", disabled=new_mode == mode):
-        try:
-            api.write_policy("PATCH", {"global": {"tuner_mode": new_mode}}, etag, f"dashboard: tuner mode {new_mode}")
-            st.success(f"Tuner mode is now {new_mode}.")
-        except ApiError as exc:
-            st.error(f"Rejected ({exc.status}): {exc.message}")
-    decisions = _decisions(api)
-    if decisions.empty:
-        _empty("tuner decisions")
-        return
-    st.subheader("Decisions")
-    st.altair_chart(
-        alt.Chart(decisions).mark_point(filled=True, size=80).encode(
-            x="at:T", y=alt.Y("n_after:Q", title="N after"), color="action:N", shape="prompt_class:N",
-            tooltip=["at", "prompt_class", "action", "n_before", "n_after", "predicted_speedup", "reason"],
-        ),
-        width="stretch",
-    )  # fmt: skip
-    st.dataframe(decisions, hide_index=True, key="decisions_table")
-    _realised(decisions)
-
-
-def _realised(decisions: pd.DataFrame) -> None:
-    """Realised speedup against plain, as the tuner measured it (``tuner/outcomes.py``): the error
-    figure counts only decisions measured in paired minutes, where the machine's drift cancels."""
-    st.subheader("Realised speedup against plain")
-    closed = decisions.dropna(subset=["realised_speedup"])
-    if closed.empty:
-        st.info("No decision has a realised speedup yet (filled in once its setting has run a while).")
-        return
-    closed = closed.assign(
-        low=closed["realised_low"].fillna(closed["realised_speedup"]),
-        high=closed["realised_high"].fillna(closed["realised_speedup"]),
-    )
-    plain = alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 4]).encode(y="y:Q")
-    over_time = alt.Chart(closed).encode(x="at:T", color="realised_estimator:N")
-    st.altair_chart(
-        plain + over_time.mark_rule().encode(y=alt.Y("low:Q", title="realised speedup (90 % interval)"), y2="high:Q")
-        + over_time.mark_point(filled=True).encode(
-            y="realised_speedup:Q", shape="prompt_class:N",
-            tooltip=["at", "prompt_class", "action", "n_after", "realised_speedup", "low", "high",
-                     "realised_minutes", "realised_estimator"],
-        ),
-        width="stretch",
-    )  # fmt: skip
-    paired = closed[(closed["realised_estimator"] == "paired") & closed["predicted_speedup"].notna()]
-    unpaired = len(closed) - len(closed[closed["realised_estimator"] == "paired"])
-    st.caption(
-        f"{len(closed) - unpaired} decisions measured in paired minutes (plain and N steps in the same minutes: "
-        f"drift cancels), {unpaired} unpaired (plain steps from other minutes: shown, left out of the error)."
-    )
-    if paired.empty:
-        st.warning("No decision measured in paired minutes yet: set a control_budget so some requests run plain.")
-        return
-    error = (paired["realised_speedup"] / paired["predicted_speedup"] - 1).abs().median()
-    st.metric("Median |realised / predicted - 1|", f"{error:.1%}", help="over decisions measured in paired minutes")
-    lo = float(paired[["predicted_speedup", "low"]].min().min())
-    hi = float(paired[["predicted_speedup", "high"]].max().max())
-    diagonal = alt.Chart(pd.DataFrame({"x": [lo, hi], "y": [lo, hi]})).mark_line(strokeDash=[4, 4]).encode(x="x", y="y")
-    vs = alt.Chart(paired).encode(x=alt.X("predicted_speedup:Q", title="predicted speedup"), color="action:N")
-    st.altair_chart(
-        diagonal + vs.mark_rule().encode(y=alt.Y("low:Q", title="realised speedup (paired)"), y2="high:Q")
-        + vs.mark_point(filled=True).encode(y="realised_speedup:Q"),
-        width="stretch",
-    )  # fmt: skip
 
 
 def policies(api: Api, window_s: float, who: dict) -> None:
