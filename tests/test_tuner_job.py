@@ -653,7 +653,12 @@ def test_a_ttft_budget_switches_speculation_off_even_in_a_cooldown_and_keeps_it_
     assert row["inputs"]["reason"].startswith("TTFT budget: p95 0.80 s") and "plain 0.30 s" in row["inputs"]["reason"]
     assert changes[-1].body["classes"]["qa"]["speculation_enabled"] is False
 
-    now[0] = start + 120 + 660  # past the cooldown and the window: ten fast probes
+    now[0] = start + 120 + 660  # past the cooldown and the window, which holds no request at all
+    row = runs(2)
+    assert row["action"] == "keep" and not row["applied"], row["inputs"]["reason"]
+    assert "TTFT budget: p95 0.80 s" in row["inputs"]["reason"]
+
+    now[0] += 60  # ten fast probes
     insert_records(db, requests(10, 0.05, now[0] - 30))
     row = runs(2)
     assert row["action"] == "keep" and not row["applied"], row["inputs"]["reason"]

@@ -252,7 +252,7 @@ class Tuner:
         if d.acceptance is None:
             alphas = None
         budget = policy.ttft_budget_s
-        over = None if budget is None else ttft_over_budget(budget, reads.latency().get(cls, {}))
+        over = None if budget is None else ttft_over_budget(budget, reads.latency(cls))
         if over is not None and not policy.speculation_enabled and d.enabled:
             # Off, and what it would gain does not buy the latency back.
             d = replace(d, action="keep", enabled=False, n=policy.num_speculative_tokens, reason=f"{d.reason}; {over}")

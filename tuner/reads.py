@@ -36,25 +36,22 @@ class RunReads:
     drafting: dict[int, dict[int, float]]  # share of requests that drafted, per bucket and N
     paired: dict[int, dict[int, RatioEstimate]]  # t(N) / t(0) from paired minutes, per bucket and N
     measured: Measured  # tokens/s at N over plain tokens/s from paired minutes, per bucket and N
-    latency: Callable[[], Latency]  # read only where a class has a TTFT budget (``_latency``)
+    latency: Callable[[str], dict[bool, ArmLatency]]  # read only where a class has a TTFT budget (``_latency``)
 
 
 def _prefill(rows: list[inputs.StepMinute], since: datetime, until: datetime) -> dict[int, PrefillCost]:
     return {b: PrefillCost(**entry) for b, entry in inputs.prefill_of(rows, since, until).items()}
 
 
-def _latency(db: Engine, now: datetime, window: timedelta, since: datetime) -> Latency:
-    """Latency per class and arm over the window; a class whose speculating requests there are too
-    few to say (an off class: only its probes draft) takes both arms from ``since`` instead -- when
-    the draft in force came in, at most the cost window: the speculation that broke a budget
-    keeps the class off until enough requests since say otherwise."""
-    recent = latency_by_arm(db, now - window, now)
-    enough = lambda arms: arms.get(True) is not None and arms[True].requests >= MIN_LATENCY_REQUESTS  # noqa: E731
-    if all(enough(arms) for arms in recent.values()):
-        return recent
-    longer = latency_by_arm(db, since, now)
-    return {cls: recent[cls] if enough(recent.get(cls, {})) else longer.get(cls, recent.get(cls, {}))
-            for cls in {*recent, *longer}}  # fmt: skip
+def _latency(prompt_class: str, recent: Callable[[], Latency], longer: Callable[[], Latency]) -> dict[bool, ArmLatency]:
+    """A class's latency per arm over the window (``recent``); where its speculating requests there
+    are too few to say (an off class: only its probes draft; a quiet one: none), both arms from
+    ``longer`` instead -- since the draft in force came in, at most the cost window: the speculation
+    that broke a budget keeps the class off until enough requests since say otherwise."""
+    arms = recent().get(prompt_class, {})
+    if arms.get(True) is not None and arms[True].requests >= MIN_LATENCY_REQUESTS:
+        return arms
+    return longer().get(prompt_class, arms)
 
 
 def read_run(
@@ -82,5 +79,9 @@ def read_run(
         drafting=inputs.drafting_share_of(minutes, now - window, now),
         paired=paired_ratios(inputs.paired_of(minutes, now - cost_window, now)),
         measured=paired_ratios(inputs.paired_throughput_of(minutes, now - cost_window, now), paired_speedup),
-        latency=functools.cache(lambda: _latency(db, now, window, max(now - cost_window, since))),
+        latency=functools.partial(
+            _latency,
+            recent=functools.cache(lambda: latency_by_arm(db, now - window, now)),
+            longer=functools.cache(lambda: latency_by_arm(db, max(now - cost_window, since), now)),
+        ),
     )
