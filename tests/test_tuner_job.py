@@ -91,6 +91,18 @@ def _good_records(n: int, at: float, prefix: str):
     return _qa_records(n, [10, 10, 10], [9, 8, 7], at, prefix)
 
 
+def _timed_records(k: int, at: float, ttft: float, n: int | None = None, batch: float | None = None,
+                   tpot: float | None = None):  # fmt: skip
+    """k ``_good_records`` finished at ``at`` that took ``ttft`` to their first token, admitted at N = ``n``
+    at mean batch size ``batch`` with ``tpot`` (where given); at N = 0 they drafted nothing: plain."""
+    given = (("num_speculative_tokens", n), ("batch_size_mean", batch), ("tpot_s", tpot))
+    update = {"ttft_s": ttft, **{name: v for name, v in given if v is not None}}
+    if n == 0:
+        update |= {"drafted_per_position": [], "accepted_per_position": [], "num_draft_tokens": 0,
+                   "num_accepted_tokens": 0, "num_spec_steps": 0}  # fmt: skip
+    return [r.model_copy(update=update) for r in _good_records(k, at, f"t{ttft}-{n}-{batch}-{at}")]
+
+
 def _accepted_per_step(n: int) -> float:
     """Tokens a decode step at N accepts per request with ``_good_records``' acceptance (0.9, 8/9, 7/8,
     then 7/8 again): the steps then yield what the records' acceptance predicts."""
@@ -582,12 +594,11 @@ def test_a_decision_is_realised_from_the_minutes_its_setting_ran_beside_plain(tm
 
     # Its requests: at N at batch 1, plain beside them (control requests), plain at batch 5 (the table's
     # plain bucket) and before the decision (another setting): only the first two count, by arm.
-    def requests(k, n_at, batch, ttft, tpot, at):
-        update = {"num_speculative_tokens": n_at, "batch_size_mean": batch, "ttft_s": ttft, "tpot_s": tpot}
-        return [r.model_copy(update=update) for r in _good_records(k, at, f"l{n_at}-{batch}-{at}")]
-
-    at_n, plain = requests(30, n, 1.0, 0.30, 0.05, start + 100), requests(10, 0, 1.0, 0.20, 0.10, start + 200)
-    elsewhere = requests(10, 0, 4.5, 5.0, 0.40, start + 200) + requests(10, n, 1.0, 9.0, 0.05, start - 10)
+    at_n = _timed_records(30, start + 100, 0.30, n=n, batch=1.0, tpot=0.05)
+    plain = _timed_records(10, start + 200, 0.20, n=0, batch=1.0, tpot=0.10)
+    elsewhere = _timed_records(10, start + 200, 5.0, n=0, batch=4.5, tpot=0.40) + _timed_records(
+        10, start - 10, 9.0, n=n, batch=1.0, tpot=0.05
+    )
     insert_records(db, at_n + plain + elsewhere)
 
     def realised():
@@ -636,18 +647,12 @@ def test_a_ttft_budget_switches_speculation_off_even_in_a_cooldown_and_keeps_it_
         (row,) = tuner.run_once()
         return row
 
-    def requests(k: int, ttft: float, at: float, speculating: bool = True):
-        plain = {"num_speculative_tokens": 0, "drafted_per_position": [], "accepted_per_position": [],
-                 "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_spec_steps": 0}  # fmt: skip
-        update = {"ttft_s": ttft, **({} if speculating else plain)}
-        return [r.model_copy(update=update) for r in _good_records(k, at, f"t{ttft}-{speculating}-{at}")]
-
-    insert_records(db, requests(40, 0.05, start - 30))
+    insert_records(db, _timed_records(40, start - 30, 0.05))
     row = runs(4)
     assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]
 
     now[0] = start + 120  # in the cooldown
-    insert_records(db, requests(30, 0.8, now[0] - 30) + requests(25, 0.3, now[0] - 30, speculating=False))
+    insert_records(db, _timed_records(30, now[0] - 30, 0.8) + _timed_records(25, now[0] - 30, 0.3, n=0))
     row = runs(2)
     assert row["action"] == "off" and row["applied"] and row["n_after"] == 0, row["inputs"]["reason"]
     assert row["inputs"]["reason"].startswith("TTFT budget: p95 0.80 s") and "plain 0.30 s" in row["inputs"]["reason"]
@@ -659,12 +664,12 @@ def test_a_ttft_budget_switches_speculation_off_even_in_a_cooldown_and_keeps_it_
     assert "TTFT budget: p95 0.80 s" in row["inputs"]["reason"]
 
     now[0] += 60  # ten fast probes
-    insert_records(db, requests(10, 0.05, now[0] - 30))
+    insert_records(db, _timed_records(10, now[0] - 30, 0.05))
     row = runs(2)
     assert row["action"] == "keep" and not row["applied"], row["inputs"]["reason"]
     assert "probes predict" in row["inputs"]["reason"] and "TTFT budget: p95 0.80 s" in row["inputs"]["reason"]
 
-    insert_records(db, requests(30, 0.05, now[0] - 20))  # enough probes in the window, within the budget
+    insert_records(db, _timed_records(30, now[0] - 20, 0.05))  # enough probes in the window, within the budget
     now[0] += 60
     row = runs(2)
     assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]

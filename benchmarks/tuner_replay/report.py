@@ -35,17 +35,12 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_total(res):.2f} ({_total(res) / _total(base):.2f}x) |")
     lines.append("")
     lines.append("Tokens/s (speedup vs no speculation). Oracle N per phase: " + ", ".join(map(str, oracle_n)) + ".")
-    pairs = [
-        (d["predicted_speedup"], d["realised_speedup"])
-        for d in run["decisions"]
-        if d["predicted_speedup"] and d["realised_speedup"] is not None
-    ]
-    errors = [real / pred - 1 for pred, real in pairs]
+    closed = [d for d in run["decisions"] if d["predicted_speedup"] and d["realised_speedup"] is not None]
+    errors = [d["realised_speedup"] / d["predicted_speedup"] - 1 for d in closed]
     by_estimator = {
-        kind: [abs(d["realised_speedup"] / d["predicted_speedup"] - 1) for d in run["decisions"]
-               if d["predicted_speedup"] and d["realised_estimator"] == kind]
+        kind: [abs(e) for d, e in zip(closed, errors) if d["realised_estimator"] == kind]
         for kind in ("paired", "unpaired")
-    }  # fmt: skip
+    }
     median_error = statistics.median(errors) if errors else float("nan")
     median_abs = statistics.median(abs(e) for e in errors) if errors else float("nan")
     phase_floor = min(t.tok_s / b.tok_s for t, b in zip(tuned, base))

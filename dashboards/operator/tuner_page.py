@@ -19,11 +19,16 @@ def _decisions(api: Api) -> pd.DataFrame:
     df = pd.DataFrame(data)
     df["reason"] = df["inputs"].map(lambda i: (i or {}).get("reason"))
     df["at"] = pd.to_datetime(df["at"])
-    latency = df["realised_latency"] if "realised_latency" in df else pd.Series([None] * len(df))
+    latency = df["realised_latency"]
     for name in ("ttft_p50", "ttft_p95", "tpot_p50"):  # the setting's latency over plain's, where both ran
         df[f"{name}_vs_plain"] = latency.map(lambda x, name=name: ((x or {}).get("vs_plain") or {}).get(name))
     df["ttft_p95_s"] = latency.map(lambda x: ((x or {}).get("setting") or {}).get("ttft_s", {}).get("p95"))
-    return df.drop(columns=["inputs", "realised_latency"], errors="ignore")
+    return df.drop(columns=["inputs", "realised_latency"])
+
+
+def _plain_line() -> alt.Chart:
+    """A dashed rule at 1: as fast (or as slow) as plain serving."""
+    return alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 4]).encode(y="y:Q")
 
 
 def tuner(api: Api, window_s: float, who: dict) -> None:
@@ -68,10 +73,10 @@ def _realised(decisions: pd.DataFrame) -> None:
         low=closed["realised_low"].fillna(closed["realised_speedup"]),
         high=closed["realised_high"].fillna(closed["realised_speedup"]),
     )
-    plain = alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 4]).encode(y="y:Q")
     over_time = alt.Chart(closed).encode(x="at:T", color="realised_estimator:N")
+    interval = over_time.mark_rule().encode(y=alt.Y("low:Q", title="realised speedup (90 % interval)"), y2="high:Q")
     st.altair_chart(
-        plain + over_time.mark_rule().encode(y=alt.Y("low:Q", title="realised speedup (90 % interval)"), y2="high:Q")
+        _plain_line() + interval
         + over_time.mark_point(filled=True).encode(
             y="realised_speedup:Q", shape="prompt_class:N",
             tooltip=["at", "prompt_class", "action", "n_after", "realised_speedup", "low", "high",
@@ -122,9 +127,8 @@ def _latency(decisions: pd.DataFrame) -> None:
     st.metric("Median TTFT p95 change vs plain", f"{change:+.1%}", help="setting's p95 over plain's p95, minus 1")
     metrics = ["ttft_p95_vs_plain", "tpot_p50_vs_plain"]
     shown = beside.melt(["at", "prompt_class", "n_after"], metrics, var_name="metric", value_name="vs_plain")
-    same = alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 4]).encode(y="y:Q")
     st.altair_chart(
-        same + alt.Chart(shown).mark_point(filled=True).encode(
+        _plain_line() + alt.Chart(shown).mark_point(filled=True).encode(
             x="at:T", y=alt.Y("vs_plain:Q", title="setting / plain"), color="metric:N", shape="prompt_class:N",
             tooltip=["at", "prompt_class", "n_after", "metric", "vs_plain"],
         ),
