@@ -39,10 +39,13 @@ def test_each_phase_ratio_is_the_median_over_repetitions_with_its_range() -> Non
     assert ratios[("chat", "plain")].values == (1.0, 1.0, 1.0)
 
 
-def test_the_whole_run_ratio_weighs_phases_by_their_time_not_their_tokens() -> None:
-    # Repetition 1: chat 60 s at 15 tok/s, batch 60 s at 72 tok/s for the tuner; plain 10 and 80.
-    whole = whole_run_ratios(_turns(), ["plain", "tuner"])
-    assert abs(whole["tuner"].values[0] - (15 * 60 + 72 * 60) / (10 * 60 + 80 * 60)) < 1e-9
+def test_the_whole_run_weighs_every_phase_by_the_same_time_whatever_each_arm_spent_in_it() -> None:
+    # Repetition 1: the tuner at 15 and 72 tok/s, plain at 10 and 80; the tuner's batch-8 turns ran
+    # on for 3x as long (requests finishing after the turn): that must not weigh its batch phase more.
+    turns = [{**t, "t1": t["t0"] + 90} if t["arm"] == "tuner" and t["phase"] == "batch" else t for t in _turns()]
+    turns = [{**t, "tokens": t["tokens"] * 3} if t["arm"] == "tuner" and t["phase"] == "batch" else t for t in turns]
+    whole = whole_run_ratios(turns, ["chat", "batch"], ["plain", "tuner"])
+    assert abs(whole["tuner"].values[0] - (15 + 72) / (10 + 80)) < 1e-9
 
 
 def test_a_phase_without_the_plain_arm_gets_no_ratio() -> None:

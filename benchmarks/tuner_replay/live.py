@@ -67,6 +67,17 @@ class Server:
         httpx.patch(f"{self.base}/api/v1/policy", json=patch,
                     headers={**HEADERS, "If-Match": current.headers["ETag"]}).raise_for_status()  # fmt: skip
 
+    def decisions(self) -> list[dict]:
+        """Every decision row, page by page (the API returns at most 1000 at a time)."""
+        rows: list[dict] = []
+        while True:
+            page = httpx.get(f"{self.base}/api/v1/decisions", params={"limit": 1000, "offset": len(rows)},
+                             headers=HEADERS)  # fmt: skip
+            page.raise_for_status()
+            rows += page.json()
+            if len(page.json()) < 1000:  # rows written meanwhile shift the pages: each row once
+                return list({row["id"]: row for row in rows}.values())
+
 
 def _serve(root: Path, name: str, port: int, settings: dict, extra: list[str]) -> Server:
     home = root / name
@@ -202,8 +213,7 @@ def main(settings: dict, statics: list[int], out: Path) -> None:
                     print(f"rep {rep} / {phase.name}: " + ", ".join(speeds), flush=True)
                 raw_path.write_text(json.dumps(raw, default=str))  # a crash later keeps the repetitions done
             time.sleep(2 * settings["interval"])  # let the last decisions close
-            raw["decisions"] = httpx.get(f"{servers[spec].base}/api/v1/decisions", params={"limit": 10000},
-                                         headers=HEADERS).json()  # fmt: skip
+            raw["decisions"] = servers[spec].decisions()
         finally:
             for server in servers.values():
                 server.proc.terminate()
@@ -211,6 +221,7 @@ def main(settings: dict, statics: list[int], out: Path) -> None:
                 server.proc.wait(timeout=120)
             for server in servers.values():  # kept: the temporary directory goes
                 shutil.copy(root / server.name / "server.log", LOGS / f"{server.name}.log")
+                shutil.copy(root / server.name / "live.db", LOGS / f"{server.name}.db")
     raw_path.write_text(json.dumps(raw, default=str))  # to re-render without re-running
     _write(render(raw), out)
 

