@@ -132,6 +132,10 @@ def serve(
     if config is not None:
         _check_vllm_args(config)
     _log_to_stderr()
+    if config is not None:
+        from spectune.engine import lifeline
+
+        lifeline.start()  # before the engine: every process it starts ends with this one
     stack = build_stack(settings, config)
     what = (
         "control plane only"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +17,37 @@ from pathlib import Path
 import pytest
 
 from spectune.engine import EngineConfig, MemorySink, RuntimeSettings
+from spectune.engine.lifeline import MARK_ENV
+
+import leftovers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# vLLM processes started under the tests end with their parent (engine/lifeline.py's plugin), as
+# they do under `spectune serve`: an in-process engine's core ends with a killed pytest.
+os.environ.setdefault(MARK_ENV, "pytest")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    leftovers.become_subreaper()
+    # vLLM's IPC sockets of the engines the tests run in-process (or as `vllm serve`) go to one
+    # directory, removed at the end; `spectune serve` under the tests makes its own.
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="spectune-test-ipc-")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a process the tests started is still alive at the end (#25)."""
+    left = leftovers.leftovers()
+    shutil.rmtree(os.environ["VLLM_RPC_BASE_PATH"], ignore_errors=True)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"{len(left)} process(es) started by the tests outlived them (now killed): " + "; ".join(left)
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 MODEL_CACHE = Path(os.environ.get("SPECTUNE_TEST_MODELS", Path(__file__).parent.parent / "var" / "test-models"))
 

@@ -12,11 +12,13 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import OPERATOR, CompletionLoad, serve_tiny
+from leftovers import await_gone
 
 HOSTILE = [
     {"prompt": "\ud800"},
@@ -162,15 +164,22 @@ def test_kill_9_under_load_keeps_every_answered_record(tiny, tmp_path, request, 
         server.reset()
         url = server.url
     proc, base = serve_tiny(tiny, tmp_path, "--db", url, SPECTUNE_TUNER_INTERVAL_S="86400")
+    tree = psutil.Process(proc.pid).children(recursive=True)  # engine core, worker, helpers, lifeline watcher
+    assert any("EngineCore" in _cmdline(p) for p in tree), [_cmdline(p) for p in tree]
     with CompletionLoad(base, workers=6, max_tokens=6) as load:
         deadline = time.time() + 120
         while len(load.done) < 150 and time.time() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)  # mid-load: responses are being written as it dies
         proc.wait()
+    killed_at = time.monotonic()
     answered = set(load.done)
     assert len(answered) >= 150
-    proc, base = serve_tiny(tiny, tmp_path, "--db", url, SPECTUNE_TUNER_INTERVAL_S="86400")  # replays the spool
+    left = await_gone(tree)  # #25: nothing of its tree outlives it (checked by pid)
+    assert left == [], f"outlived the killed server: {[_cmdline(p) for p in left]}"
+    print(f"{len(tree)} processes of the killed server's tree ended {time.monotonic() - killed_at:.1f} s after it")
+    port = int(base.rsplit(":", 1)[1])  # the restart takes the same port (and, on a GPU, the same device)
+    proc, base = serve_tiny(tiny, tmp_path, "--db", url, port=port, SPECTUNE_TUNER_INTERVAL_S="86400")  # replays
     try:
         db = make_engine(url)
         deadline = time.time() + 60
@@ -186,6 +195,54 @@ def test_kill_9_under_load_keeps_every_answered_record(tiny, tmp_path, request, 
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_rebuild_leaves_neither_engine_behind(tiny, tmp_path):
+    """#25: a SIGTERM while a method change rebuilds the engine once left the new engine core and
+    its worker running with parent 1; every process of the tree, old engine or new, must end.  (At
+    this moment -- the new worker just started -- vLLM's own shutdown ends them even without
+    engine/lifeline.py, as it did when the SIGTERM came as the new core appeared: the case seen in
+    the issue was not reproduced; the lifeline covers it whatever the moment.)"""
+    moment = "Worker"
+    proc, base = serve_tiny(tiny, tmp_path, "--db", f"sqlite:///{tmp_path}/s.db", SPECTUNE_TUNER_INTERVAL_S="86400")
+    server = psutil.Process(proc.pid)
+    first = {p.pid for p in server.children(recursive=True) if moment in _cmdline(p)}
+    etag = httpx.get(f"{base}/api/v1/policy", headers=OPERATOR).headers["ETag"]
+    change = threading.Thread(
+        target=lambda: _swallow(httpx.patch, f"{base}/api/v1/policy", json={"global": {"method": "none"}},
+                                headers={**OPERATOR, "If-Match": etag}, timeout=300),
+        daemon=True,
+    )  # fmt: skip
+    change.start()
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 300  # only stops a hang
+    while not any(moment in _cmdline(p) and p.pid not in first for p in seen.values()):
+        assert time.monotonic() < deadline and proc.poll() is None, f"no new {moment} started"
+        seen.update((p.pid, p) for p in server.children(recursive=True))
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # the new engine is starting up
+    while proc.poll() is None:  # everything it starts until it exits belongs to its tree
+        seen.update((p.pid, p) for p in _children_or_none(server))
+        assert time.monotonic() < deadline, "serve did not stop on SIGTERM"
+        time.sleep(0.05)
+    left = await_gone(list(seen.values()))
+    assert left == [], f"outlived the stopped server: {[_cmdline(p) for p in left]}"
+
+
+def _swallow(call, *args, **kwargs) -> None:
+    """The policy change's own answer does not matter here: the server is stopped under it."""
+    try:
+        call(*args, **kwargs)
+    except httpx.HTTPError:
+        pass
+
+
+def _children_or_none(process) -> list:
+    try:
+        return process.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def test_spectune_warnings_reach_the_log_once_vllms_server_is_imported():
@@ -316,8 +373,6 @@ async def test_engine_death_under_load_starts_one_rebuild(tiny):
 def _cmdline(process) -> str:
     """A child's command line; "" for one that ended or is a zombie (a server an earlier test killed
     and its Popen never reaped: psutil raises ZombieProcess on its cmdline)."""
-    import psutil
-
     try:
         return " ".join(process.cmdline())
     except psutil.Error:

@@ -21,8 +21,6 @@ import json
 import logging
 import multiprocessing
 import os
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from datetime import timedelta
@@ -30,6 +28,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
+from spectune.engine.lifeline import follow_parent
 from spectune.store.diagnostics import fail_report, finish_report, realised_per_position, sampled_prompts, start_report
 
 from .diagnose import DiagnosisInput, run_diagnosis, summary
@@ -132,16 +131,8 @@ def memory_shortfall(
     )
 
 
-def _exit_with(parent: int) -> None:
-    """The worker's watchdog: a pool worker outlived a killed or stopped ``spectune serve``
-    (reparented, holding two fp32 models' memory); it now exits within a second of its parent."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
-
-
 def _low_priority_worker() -> None:
-    threading.Thread(target=_exit_with, args=(os.getppid(),), name="exit-with-parent", daemon=True).start()
+    follow_parent()  # a killed or stopped serve must not leave a worker holding two fp32 models
     os.nice(19)  # the serving process keeps the CPU whenever it wants it
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
