@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,22 +32,32 @@ os.environ.setdefault(MARK_ENV, "pytest")
 
 def pytest_configure(config: pytest.Config) -> None:
     leftovers.become_subreaper()
+    signal.signal(signal.SIGTERM, _stop_the_run)
     # vLLM's IPC sockets of the engines the tests run in-process (or as `vllm serve`) go to one
     # directory, removed at the end; `spectune serve` under the tests makes its own.
     os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="spectune-test-ipc-")
 
 
+def _stop_the_run(signum, frame) -> None:
+    """A stopped test run (SIGTERM) ends as an interrupted one: fixtures tear down their servers
+    and the end-of-run check ends whatever they started."""
+    raise KeyboardInterrupt
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run when a process the tests started is still alive at the end (#25)."""
-    left = leftovers.leftovers()
+    """Fail the run when a process the tests started is still alive at the end (#25); a stopped run
+    waits less for them."""
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    left = leftovers.leftovers(deadline_s=15 if interrupted else 120)
     shutil.rmtree(os.environ["VLLM_RPC_BASE_PATH"], ignore_errors=True)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"{len(left)} process(es) started by the tests outlived them (now killed): " + "; ".join(left)
+        message = f"{len(left)} process(es) started by the tests outlived them (now ended): " + "; ".join(left)
         if reporter is not None:
             reporter.write_line(message, red=True, bold=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if not interrupted:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 MODEL_CACHE = Path(os.environ.get("SPECTUNE_TEST_MODELS", Path(__file__).parent.parent / "var" / "test-models"))

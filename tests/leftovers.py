@@ -12,6 +12,8 @@ import time
 
 import psutil
 
+from spectune.engine.lifeline import end
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -64,15 +66,15 @@ def descendants() -> list[psutil.Process]:
 
 def leftovers(deadline_s: float = 120.0) -> list[str]:
     """Descendants still alive once the deadline has passed (each described), ended on the way out
-    so that a failed run leaves the machine clean."""
-    end = time.monotonic() + deadline_s
+    (SIGTERM, then SIGKILL) so that a failed or stopped run leaves the machine clean."""
+    deadline = time.monotonic() + deadline_s
     left = descendants()
-    while left and time.monotonic() < end:
+    while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = descendants()
     described = []
     for process in left:
         with contextlib.suppress(psutil.Error):
             described.append(f"{process.pid} ({' '.join(process.cmdline())[:160]})")
-            process.kill()
+    end(left)
     return described

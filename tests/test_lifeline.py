@@ -103,3 +103,38 @@ def test_the_plugin_does_nothing_outside_spectune_serve(monkeypatch):
     monkeypatch.setenv(lifeline.MARK_ENV, "x")
     lifeline.plugin()  # the mark but no multiprocessing parent: the serve process itself
     assert not lifeline._following
+
+
+INNER_TEST = textwrap.dedent(
+    """
+    import subprocess, sys, time
+
+    def test_a_server_in_flight():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+        open({out!r}, "w").write(str(child.pid))
+        time.sleep(3600)
+    """
+)
+
+
+def test_a_stopped_test_run_ends_what_its_tests_started(tmp_path):
+    """SIGTERM to a pytest run (a CI job cancelled, a developer's kill) ends it as an interrupted run,
+    and tests/conftest.py's end-of-run check ends the processes its tests had started."""
+    out = tmp_path / "child.pid"
+    (tmp_path / "test_inner.py").write_text(INNER_TEST.format(out=str(out)))
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", "test_inner.py"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120  # only stops a hang
+    while not out.exists() or not out.read_text():
+        assert inner.poll() is None, inner.stdout.read()
+        assert time.monotonic() < deadline, "the inner test never started its child"
+        time.sleep(0.1)
+    child = psutil.Process(int(out.read_text()))
+    inner.send_signal(signal.SIGTERM)
+    output = inner.communicate(timeout=300)[0]
+    assert "outlived them (now ended)" in output, output
+    assert await_gone([child]) == [], "the stopped run's child is still alive"
