@@ -110,12 +110,12 @@ def marked_processes(mark: str) -> list:
     found: dict[int, psutil.Process] = {}
     for process in psutil.process_iter():
         try:
-            if process.pid != os.getpid() and process.environ().get(MARK_ENV) == mark:
+            if process.environ().get(MARK_ENV) == mark:
                 found[process.pid] = process
                 found.update((child.pid, child) for child in process.children(recursive=True))
         except psutil.Error:  # ended, a zombie, or another user's
             continue
-    found.pop(os.getpid(), None)
+    found.pop(os.getpid(), None)  # the watcher inherited the mark
     return list(found.values())
 
 

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import os
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -36,11 +37,20 @@ def _reap(process: psutil.Process) -> bool:
         return True
 
 
+def cmdline(process: psutil.Process) -> str:
+    """A process's command line; "" for one that ended or is a zombie (psutil raises ZombieProcess
+    on its cmdline: a server an earlier test killed and its Popen never reaped)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _pytests_own(process: psutil.Process) -> bool:
     """Helpers that live as long as pytest and end with it: multiprocessing's resource tracker,
     started by an engine that ran inside the pytest process."""
     try:
-        return process.ppid() == os.getpid() and "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+        return process.ppid() == os.getpid() and "multiprocessing.resource_tracker" in cmdline(process)
     except psutil.Error:
         return True
 
@@ -49,14 +59,19 @@ def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in processes if not _reap(p)]
 
 
-def await_gone(processes: list[psutil.Process], deadline_s: float = 120.0) -> list[psutil.Process]:
-    """Wait until every process has ended (the deadline only stops a hang); returns those still alive."""
-    end = time.monotonic() + deadline_s
-    left = alive(processes)
-    while left and time.monotonic() < end:
+def _until_none(alive_now: Callable[[], list[psutil.Process]], deadline_s: float) -> list[psutil.Process]:
+    """Poll ``alive_now`` until it is empty (the deadline only stops a hang); returns its last answer."""
+    deadline = time.monotonic() + deadline_s
+    left = alive_now()
+    while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = alive(left)
+        left = alive_now()
     return left
+
+
+def await_gone(processes: list[psutil.Process], deadline_s: float = 120.0) -> list[psutil.Process]:
+    """Wait until every process has ended; returns those still alive at the deadline."""
+    return _until_none(lambda: alive(processes), deadline_s)
 
 
 def descendants() -> list[psutil.Process]:
@@ -67,14 +82,7 @@ def descendants() -> list[psutil.Process]:
 def leftovers(deadline_s: float = 120.0) -> list[str]:
     """Descendants still alive once the deadline has passed (each described), ended on the way out
     (SIGTERM, then SIGKILL) so that a failed or stopped run leaves the machine clean."""
-    deadline = time.monotonic() + deadline_s
-    left = descendants()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = descendants()
-    described = []
-    for process in left:
-        with contextlib.suppress(psutil.Error):
-            described.append(f"{process.pid} ({' '.join(process.cmdline())[:160]})")
+    left = _until_none(descendants, deadline_s)
+    described = [f"{process.pid} ({line[:160]})" for process in left if (line := cmdline(process))]  # "": it ended
     end(left)
     return described

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import OPERATOR, CompletionLoad, serve_tiny
-from leftovers import await_gone
+from leftovers import await_gone, cmdline
 
 HOSTILE = [
     {"prompt": "\ud800"},
@@ -165,7 +165,7 @@ def test_kill_9_under_load_keeps_every_answered_record(tiny, tmp_path, request, 
         url = server.url
     proc, base = serve_tiny(tiny, tmp_path, "--db", url, SPECTUNE_TUNER_INTERVAL_S="86400")
     tree = psutil.Process(proc.pid).children(recursive=True)  # engine core, worker, helpers, lifeline watcher
-    assert any("EngineCore" in _cmdline(p) for p in tree), [_cmdline(p) for p in tree]
+    assert any("EngineCore" in cmdline(p) for p in tree), [cmdline(p) for p in tree]
     with CompletionLoad(base, workers=6, max_tokens=6) as load:
         deadline = time.time() + 120
         while len(load.done) < 150 and time.time() < deadline:
@@ -176,7 +176,7 @@ def test_kill_9_under_load_keeps_every_answered_record(tiny, tmp_path, request, 
     answered = set(load.done)
     assert len(answered) >= 150
     left = await_gone(tree)  # #25: nothing of its tree outlives it (checked by pid)
-    assert left == [], f"outlived the killed server: {[_cmdline(p) for p in left]}"
+    assert left == [], f"outlived the killed server: {[cmdline(p) for p in left]}"
     print(f"{len(tree)} processes of the killed server's tree ended {time.monotonic() - killed_at:.1f} s after it")
     port = int(base.rsplit(":", 1)[1])  # the restart takes the same port (and, on a GPU, the same device)
     proc, base = serve_tiny(tiny, tmp_path, "--db", url, port=port, SPECTUNE_TUNER_INTERVAL_S="86400")  # replays
@@ -207,7 +207,7 @@ def test_sigterm_during_a_rebuild_leaves_neither_engine_behind(tiny, tmp_path):
     moment = "Worker"
     proc, base = serve_tiny(tiny, tmp_path, "--db", f"sqlite:///{tmp_path}/s.db", SPECTUNE_TUNER_INTERVAL_S="86400")
     server = psutil.Process(proc.pid)
-    first = {p.pid for p in server.children(recursive=True) if moment in _cmdline(p)}
+    first = {p.pid for p in server.children(recursive=True) if moment in cmdline(p)}
     etag = httpx.get(f"{base}/api/v1/policy", headers=OPERATOR).headers["ETag"]
     change = threading.Thread(
         target=lambda: _swallow(httpx.patch, f"{base}/api/v1/policy", json={"global": {"method": "none"}},
@@ -217,9 +217,9 @@ def test_sigterm_during_a_rebuild_leaves_neither_engine_behind(tiny, tmp_path):
     change.start()
     seen: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + 300  # only stops a hang
-    while not any(moment in _cmdline(p) and p.pid not in first for p in seen.values()):
+    while not any(moment in cmdline(p) and p.pid not in first for p in seen.values()):
         assert time.monotonic() < deadline and proc.poll() is None, f"no new {moment} started"
-        seen.update((p.pid, p) for p in server.children(recursive=True))
+        seen.update((p.pid, p) for p in _children_or_none(server))
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # the new engine is starting up
     while proc.poll() is None:  # everything it starts until it exits belongs to its tree
@@ -227,7 +227,7 @@ def test_sigterm_during_a_rebuild_leaves_neither_engine_behind(tiny, tmp_path):
         assert time.monotonic() < deadline, "serve did not stop on SIGTERM"
         time.sleep(0.05)
     left = await_gone(list(seen.values()))
-    assert left == [], f"outlived the stopped server: {[_cmdline(p) for p in left]}"
+    assert left == [], f"outlived the stopped server: {[cmdline(p) for p in left]}"
 
 
 def _swallow(call, *args, **kwargs) -> None:
@@ -358,7 +358,7 @@ async def test_engine_death_under_load_starts_one_rebuild(tiny):
         requests = [asyncio.create_task(complete(engine, p, 200, ignore_eos=True)) for p in ("a b", "c d", "e f")]
         while engine._in_flight < 3:
             await asyncio.sleep(0.01)
-        (core,) = [p for p in psutil.Process().children() if "EngineCore" in _cmdline(p)]
+        (core,) = [p for p in psutil.Process().children() if "EngineCore" in cmdline(p)]
         core.kill()  # every request in flight sees the engine die
         results = await asyncio.gather(*requests, return_exceptions=True)
         assert all(isinstance(r, Exception) for r in results)
@@ -368,12 +368,3 @@ async def test_engine_death_under_load_starts_one_rebuild(tiny):
         _text, ids, _ = await complete(engine, "the model draft", 8, ignore_eos=True)
         assert len(ids) == 8
     assert len([r for r in sink.records if r.error]) == 3
-
-
-def _cmdline(process) -> str:
-    """A child's command line; "" for one that ended or is a zombie (a server an earlier test killed
-    and its Popen never reaped: psutil raises ZombieProcess on its cmdline)."""
-    try:
-        return " ".join(process.cmdline())
-    except psutil.Error:
-        return ""
