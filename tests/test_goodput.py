@@ -336,3 +336,71 @@ def test_an_unmeasured_n_is_explored_only_where_the_model_says_it_beats_plain():
     assert cheap.explore and cheap.n == 2 and cheap.predicted_speedup > 1
     dear = at_n1(0.7)  # N=2: 0.82x; trying it would switch its batches to plain for an interval
     assert not dear.explore and dear.n == 1
+
+
+def test_the_window_forgets_an_explored_n_and_the_history_remembers_it():
+    from spectune.tuner.cost import CostFit
+    from spectune.tuner.goodput import MIN_TRIALS, remembered
+
+    window = position_acceptance([200], [120])  # N=1 in force: position 1 only
+    history = position_acceptance([400, 200], [240, 100])  # an hour that explored N=2 (alpha_2 = 0.5)
+    merged = remembered(window, history)
+    assert merged.mean[0] == window.mean[0] and merged.samples[0] == 200  # the window wins where it measured
+    assert merged.mean[1] == history.mean[1] and merged.samples[1] == 200 >= MIN_TRIALS
+    fit = CostFit(0.10, 0.35, "fit", measured={0: 0.10, 1: 0.13, 2: 0.17})
+
+    def at_n1(est):
+        return choose_n(list(est.mean), fit, current=1, n_min=1, n_max=2, explore_margin=0.1,
+                        position_samples=est.samples)  # fmt: skip
+
+    forgot = at_n1(window)  # N=2 extrapolated from alpha_1 = 0.6: 1.15x, within the margin of 1.23x
+    assert forgot.explore and forgot.n == 2
+    remembers = at_n1(merged)  # N=2 from its measured alpha_2 = 0.5: 1.12x, measured: nothing to explore
+    assert not remembers.explore and remembers.n == 1
+    assert speedup(list(merged.mean), 2, fit) < speedup(list(window.mean), 2, fit)
+
+
+def test_positions_neither_side_measured_end_the_memory():
+    from spectune.tuner.goodput import remembered
+
+    window = position_acceptance([200, 10], [120, 5])  # position 2: 10 trials, too few to trust
+    history = position_acceptance([400, 50, 5], [240, 20, 2])  # position 3: 5 trials
+    merged = remembered(window, history)
+    assert merged.samples == (200, 50)  # position 2 from the history, position 3 from neither
+    assert remembered(window, position_acceptance([], [])) == window  # nothing remembered: the window as it is
+    shifted = position_acceptance([400, 50], [380, 40])  # position 1 at 0.95 against the window's 0.6
+    assert remembered(window, shifted) == window  # another regime: its second position is not this one's
+    thin = position_acceptance([20], [12])  # too few trials at the first position to compare regimes
+    assert remembered(thin, history) == thin
+
+
+counts = st.lists(st.tuples(st.integers(0, 400), st.floats(0, 1)), max_size=6)
+
+
+def _acceptance_from(pairs):
+    drafted = [d for d, _ in pairs]
+    return position_acceptance(drafted, [round(d * f) for d, f in pairs])
+
+
+@given(counts, counts)
+@settings(max_examples=200, deadline=None)
+def test_remembered_takes_each_position_from_the_side_that_measured_it(w, h):
+    from spectune.tuner.goodput import MIN_TRIALS, remembered
+
+    window, history = _acceptance_from(w), _acceptance_from(h)
+    merged = remembered(window, history)
+    both = [k for k in range(min(len(window.samples), len(history.samples)))
+            if min(window.samples[k], history.samples[k]) >= MIN_TRIALS]  # fmt: skip
+    agree = all(window.low[k] <= history.high[k] and history.low[k] <= window.high[k] for k in both)
+    if not window.samples or window.samples[0] < MIN_TRIALS or not agree:
+        assert merged == window  # too little of the present, or another regime: nothing remembered
+        return
+    assert len(window.mean) <= len(merged.mean) <= max(len(window.mean), len(history.mean))
+    for k, (mean, trials) in enumerate(zip(merged.mean, merged.samples)):
+        if k < len(window.samples) and window.samples[k] >= MIN_TRIALS:
+            assert (mean, trials) == (window.mean[k], window.samples[k])
+        elif k < len(history.samples) and history.samples[k] >= MIN_TRIALS:
+            assert (mean, trials) == (history.mean[k], history.samples[k])
+        else:
+            assert k < len(window.samples) and (mean, trials) == (window.mean[k], window.samples[k])
+    assert remembered(window, window) == window

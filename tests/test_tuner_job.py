@@ -12,6 +12,7 @@ from sqlalchemy import insert
 from spectune.engine.schema import BatchRange
 from spectune.store.db import insert_records, make_engine, upgrade
 from spectune.store.policies import PolicyRepository
+from spectune.tuner.goodput import position_acceptance
 from spectune.tuner.job import Tuner
 from spectune.tuner.policy import Policy, PolicyDocument
 
@@ -673,3 +674,36 @@ def test_a_ttft_budget_switches_speculation_off_even_in_a_cooldown_and_keeps_it_
     now[0] += 60
     row = runs(2)
     assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_an_n_explored_within_the_cost_window_is_not_explored_again_once_the_window_forgets_it(tmp_path, shifted):
+    """N=2 was explored 40 minutes ago (its steps and its second position's acceptance are in the hour);
+    the 5-minute window holds only N=1.  The tuner predicts N=2 from what it measured there and stays
+    at N=1; before, the window's forgetting made N=2 "not measured yet" again and it explored it every
+    few windows (live run 2026-12-06: every 30-110 s).  Where acceptance has just shifted, the hour is
+    another regime and is not remembered."""
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(minutes=1), n_min=1, n_max=2, num_speculative_tokens=1)
+    _steps(db, now[0] - 2400, {1: {0: 0.10, 1: 0.13, 2: 0.17}}, steps=400)
+    _steps(db, now[0] - 120, {1: {0: 0.10, 1: 0.13}}, steps=400)
+    insert_records(db, _qa_records(40, [10, 10], [6, 3], now[0] - 2400, "explored"))
+    if shifted:  # the last interval's first position is far above the window's
+        insert_records(db, _qa_records(40, [10], [10], now[0] - 20, "shift"))
+    insert_records(db, _qa_records(20, [10], [6], now[0] - 120, "window"))
+    (row,) = tuner.run_once()
+    positions = row["inputs"]["position_acceptance"]
+    if shifted:
+        assert row["inputs"]["recent_window_used"] and positions["from_history"] == []
+        return
+    hour = position_acceptance([400 + 200, 400], [240 + 120, 120])  # the explored records and the window's
+    assert positions["from_history"] == [2] and positions["trials"] == [200, hour.samples[1]]
+    assert positions["alpha"][1] == hour.mean[1]
+    assert row["action"] != "explore" and row["n_after"] == 1, row["inputs"]["reason"]
+    # The same store without the explored hour: N=2 is extrapolated from position 1 and explored.
+    db2, tuner2, now2 = _clocked_tuner(tmp_path / "fresh", timedelta(minutes=1), n_min=1, n_max=2,
+                                       num_speculative_tokens=1)  # fmt: skip
+    _steps(db2, now2[0] - 2400, {1: {0: 0.10, 1: 0.13, 2: 0.17}}, steps=400)
+    _steps(db2, now2[0] - 120, {1: {0: 0.10, 1: 0.13}}, steps=400)
+    insert_records(db2, _qa_records(20, [10], [6], now2[0] - 120, "window"))
+    (forgot,) = tuner2.run_once()
+    assert forgot["action"] == "explore" and forgot["n_after"] == 2, forgot["inputs"]["reason"]

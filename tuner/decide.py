@@ -19,7 +19,16 @@ from spectune.engine.schema import BatchRange, n_for_batch
 from spectune.store.aggregates import ArmLatency
 
 from .cost import CostFit
-from .goodput import MIN_TRIALS, bucket_sizes, choose_n, position_acceptance, speedup, stay_margin
+from .goodput import (
+    MIN_TRIALS,
+    PositionAcceptance,
+    bucket_sizes,
+    choose_n,
+    position_acceptance,
+    remembered,
+    speedup,
+    stay_margin,
+)
 from .paired_cost import RatioEstimate
 from .policy import MAX_BATCH, Policy, overlay
 
@@ -50,7 +59,10 @@ def decide_class(
     cost: float | CostFit,
     reprobe_margin: float = 0.1,
     pays_elsewhere: bool = False,
+    memory: PositionAcceptance | None = None,
 ) -> ClassDecision:
+    """``memory``: the class's acceptance over a longer history, continuing the window's past its
+    data (``goodput.remembered``: an N explored once stays measured)."""
     enabled, current = policy.speculation_enabled, policy.num_speculative_tokens
     if not drafted or drafted[0] < MIN_DRAFTS:
         return ClassDecision(
@@ -63,6 +75,8 @@ def decide_class(
             f"too little data ({drafted[0] if drafted else 0} drafts < {MIN_DRAFTS}): policy stands",
         )
     est = position_acceptance(drafted, accepted)
+    if memory is not None:
+        est = remembered(est, memory)
     alphas = list(est.mean)
     rate = sum(accepted) / max(1, sum(drafted))
     here = speedup(alphas, current, cost)

@@ -72,6 +72,44 @@ def position_acceptance(
     return PositionAcceptance(tuple(means), tuple(lows), tuple(highs), tuple(samples))
 
 
+def remembered(
+    window: PositionAcceptance, history: PositionAcceptance, min_trials: int = MIN_TRIALS
+) -> PositionAcceptance:
+    """The window's acceptance, continued past its data with what the longer history measured.
+
+    An N above the one in force is drafted only while it is explored; a window shorter than the
+    history forgets it a window later, and the model then extrapolates that position from the last
+    one it has (``expected_tokens``) -- on the live run (2026-12-06) the tuner explored the same N
+    every 30-110 s as "not measured yet", never settling.  So each position the window measured
+    fewer than ``min_trials`` times takes the history's estimate where the history measured it
+    ``min_trials`` times; positions stop at the first that neither measured (beyond it the model
+    extrapolates, as before).  The window wins wherever it has the trials: it is the newer regime.
+    And the history is another regime, not remembered, where it disagrees with the window at a
+    position both measured (their ~90 % intervals do not overlap): after a domain shift the hour's
+    code edits say nothing about the chat's fourth position (replay: a class back on at N=6 from
+    the hour's code-edit acceptance ran at 0.66x).  Nor where the window measured too little to
+    tell (under ``min_trials`` at its first position: an off class's probes).
+    """
+    if not window.samples or window.samples[0] < min_trials:
+        return window  # too little of the present to tell whether the history is the same regime
+    for k in range(min(len(window.mean), len(history.mean))):
+        both = window.samples[k] >= min_trials and history.samples[k] >= min_trials
+        if both and (window.high[k] < history.low[k] or history.high[k] < window.low[k]):
+            return window
+    out: list[tuple[float, float, float, int]] = []
+    for k in range(max(len(window.mean), len(history.mean))):
+        if k < len(window.mean) and window.samples[k] >= min_trials:
+            out.append((window.mean[k], window.low[k], window.high[k], window.samples[k]))
+        elif k < len(history.mean) and history.samples[k] >= min_trials:
+            out.append((history.mean[k], history.low[k], history.high[k], history.samples[k]))
+        elif k < len(window.mean):
+            out.append((window.mean[k], window.low[k], window.high[k], window.samples[k]))
+        else:
+            break
+    mean, low, high, samples = zip(*out) if out else ((), (), (), ())
+    return PositionAcceptance(tuple(mean), tuple(low), tuple(high), tuple(samples))
+
+
 def expected_tokens(alphas: Sequence[float], n: int) -> float:
     """E(N) = 1 + sum_{j=1..N} prod_{k<j} alpha_k; positions past the data reuse the last alpha."""
     total, product = 1.0, 1.0

@@ -70,10 +70,12 @@ from .decide import (
     ttft_over_budget,
 )
 from .goodput import (
+    PositionAcceptance,
     acceptance_shifted,
     bucket_sizes,
     choose_n,
     position_acceptance,
+    remembered,
     speedup,
     speedup_interval,
 )
@@ -99,6 +101,16 @@ def _table_reason(old: list, new: list, probes: set[int], counts: dict[int, dict
             f"measured there; steps seen at N={seen})"
         )
     return f"batch table [{show(old)}] -> [{show(new)}]"
+
+
+def _positions(estimate: PositionAcceptance | None, window: PositionAcceptance | None) -> dict[str, list] | None:
+    """Per draft position, the acceptance the decision used, its trials, and which positions the
+    cost window's history supplied (``goodput.remembered``)."""
+    if estimate is None or window is None:
+        return None
+    from_history = [k + 1 for k, trials in enumerate(estimate.samples)
+                    if k >= len(window.samples) or trials != window.samples[k]]  # fmt: skip
+    return {"alpha": list(estimate.mean), "trials": list(estimate.samples), "from_history": from_history}
 
 
 def _utc_now() -> datetime:
@@ -241,13 +253,19 @@ class Tuner:
             paired=reads.paired,
         )
         here_cost = costs.get(busiest, policy.draft_cost_prior)
-        alphas = list(position_acceptance(drafted, accepted).mean) if drafted else None
+        # What the cost window measured continues the window's acceptance (an explored N stays
+        # measured), unless acceptance just shifted: then the older regime says nothing.
+        memory = None if shifted or not drafted else position_acceptance(*reads.history().get(cls, ([], [])))
+        window_estimate = estimate = position_acceptance(drafted, accepted) if drafted else None
+        if estimate is not None and memory is not None:
+            estimate = remembered(estimate, memory)
+        alphas = list(estimate.mean) if estimate is not None else None
         pays_elsewhere = alphas is not None and any(
             choose_n(alphas, c, 0, policy.n_min, policy.n_max, min_gain=0).best_speedup > 1
             for b, c in costs.items()
             if b != busiest
         )
-        d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere)
+        d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere, memory=memory)
         table, probes = policy.batch_table, set()
         if d.acceptance is None:
             alphas = None
@@ -325,6 +343,7 @@ class Tuner:
                 "drafted_per_position": drafted,
                 "accepted_per_position": accepted,
                 "acceptance": d.acceptance,
+                "position_acceptance": _positions(estimate, window_estimate),
                 "recent_window_used": shifted,
                 "cost_ratio": here_cost.cost_ratio if isinstance(here_cost, CostFit) else here_cost,
                 "costs": {

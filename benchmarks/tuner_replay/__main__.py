@@ -19,6 +19,8 @@ parser = argparse.ArgumentParser(
 )
 parser.add_argument("--phase-minutes", type=float, default=20.0, help="simulated minutes per phase")
 parser.add_argument("--interval", type=float, default=60.0, help="tuner interval, simulated seconds")
+parser.add_argument("--window", type=float, default=300.0, help="tuner acceptance window, simulated seconds")
+parser.add_argument("--cooldown", type=float, default=300.0, help="the tuner policy's cooldown_s")
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument(
     "--drift",
@@ -29,7 +31,9 @@ parser.add_argument(
 parser.add_argument("--control-budget", type=float, default=0.0, help="the tuner policy's control_budget")
 parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tuner_replay.md"))
 args = parser.parse_args()
-result = replay.run(args.phase_minutes, args.seed, args.interval, args.drift, args.control_budget)
+result = replay.run(
+    args.phase_minutes, args.seed, args.interval, args.drift, args.control_budget, args.window, args.cooldown
+)
 lines, criteria = summarise(result, args.phase_minutes)
 Console().print(Markdown("\n".join(lines)))
 args.out.parent.mkdir(parents=True, exist_ok=True)

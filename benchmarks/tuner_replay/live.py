@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from .live_report import render, tok_s
-from .replay import PHASES
+from .replay import PHASES, Phase
 from .workloads import WORKLOADS
 from conftest import wait_ready
 
@@ -162,11 +163,11 @@ def _load(base: str, model: str, workload: str, concurrency: int, seconds: float
     return sum(tokens)
 
 
-def main(settings: dict, statics: list[int], out: Path) -> None:
+def main(settings: dict, statics: list[int], out: Path, phases: tuple[Phase, ...] = PHASES) -> None:
     arms = ["plain", *([f"static N={n}" for n in statics] if statics else ["tuner"])]
     spec = "static" if statics else "tuner"
     raw = {"began": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "settings": settings, "arms": arms,
-           "phases": [{"name": p.name, "concurrency": p.concurrency} for p in PHASES], "turns": [],
+           "phases": [{"name": p.name, "concurrency": p.concurrency} for p in phases], "turns": [],
            "requests": [], "phase_spans": [], "decisions": []}  # fmt: skip
     raw_path = LOGS / f"{out.stem}.json"
     LOGS.mkdir(parents=True, exist_ok=True)
@@ -192,7 +193,7 @@ def main(settings: dict, statics: list[int], out: Path) -> None:
                 servers["tuner"].patch_policy({"global": {"tuner_mode": "auto"}})
             raw["start"] = time.time()
             for rep in range(1, settings["repeats"] + 1):
-                for phase in PHASES:
+                for phase in phases:
                     phase_start = time.time()
                     # Short turns, arms interleaved: this shared machine's speed moves by 2x within minutes.
                     for round_ in range(rounds):
@@ -241,16 +242,27 @@ if __name__ == "__main__":
     parser.add_argument("--cooldown", type=float, default=30.0, help="policy cooldown (s)")
     parser.add_argument("--control-budget", type=float, default=0.02, help="policy control_budget")
     parser.add_argument("--static", default="", help="static arms instead of the tuner: comma-separated N")
+    parser.add_argument(
+        "--phases",
+        default=",".join(p.name for p in PHASES),
+        help="comma-separated phases to run, in this order (default: all four)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/tuner_live[_static].md")
     parser.add_argument(
         "--report-from", type=Path, default=None, help="render the report again from a run's var/live-logs/*.json"
     )
     args = parser.parse_args()
     statics = [int(n) for n in args.static.split(",") if n]
+    by_name = {p.name: p for p in PHASES}
+    unknown = [name for name in args.phases.split(",") if name not in by_name]
+    if unknown:
+        parser.error(f"unknown phase {unknown[0]!r}; choose among {', '.join(by_name)}")
     out = args.out or Path("benchmarks/results/" + ("tuner_live_static.md" if statics else "tuner_live.md"))
     if args.report_from is not None:
         _write(render(json.loads(args.report_from.read_text())), out)
         raise SystemExit(0)
+    # A SIGTERM ends the run as an exception would: the servers it started are ended with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     settings = {k: getattr(args, k) for k in ("phase_minutes", "repeats", "interval", "window", "cooldown",
                                               "control_budget")}  # fmt: skip
-    main({**settings, "turn_s": TURN_S}, statics, out)
+    main({**settings, "turn_s": TURN_S}, statics, out, tuple(by_name[name] for name in args.phases.split(",")))

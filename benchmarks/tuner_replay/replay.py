@@ -68,7 +68,7 @@ class PhaseResult:
 class _TunerArm:
     """The real tuner on a real store, fed by the simulator, on simulated time."""
 
-    def __init__(self, workdir: Path, interval_s: float, policy: Policy) -> None:
+    def __init__(self, workdir: Path, interval_s: float, policy: Policy, window_s: float = 300.0) -> None:
         url = f"sqlite:///{workdir}/replay.db"
         upgrade(url)
         self.db = make_engine(url)
@@ -86,6 +86,7 @@ class _TunerArm:
             self._on_change,
             request_diagnosis=self.diagnoses.append,
             interval=timedelta(seconds=interval_s),
+            window=timedelta(seconds=window_s),
             clock=clock,
         )
         self.sim: SimEngine | None = None
@@ -157,19 +158,37 @@ def fidelity(cal: Calibration, seconds: float = 300.0) -> list[tuple[int, int, f
 
 
 def run(
-    phase_minutes: float, seed: int, interval_s: float, drift_sigma: float = 0.0, control_budget: float = 0.0
+    phase_minutes: float,
+    seed: int,
+    interval_s: float,
+    drift_sigma: float = 0.0,
+    control_budget: float = 0.0,
+    window_s: float = 300.0,
+    cooldown_s: float = 300.0,
 ) -> dict:
     """Every arm over the phases; ``drift_sigma``: the machine's minute-to-minute speed (``sim.DRIFT_SIGMA``
-    is this machine's); ``control_budget``: the tuner policy's (control requests)."""
+    is this machine's); ``control_budget``, ``cooldown_s``: the tuner policy's; ``window_s``: the tuner's
+    acceptance window."""
     cal = Calibration.load()
     phase_s = phase_minutes * 60
     static = {n: run_arm(cal, static_settings(n), phase_s, seed, drift_sigma=drift_sigma) for n in STATIC_NS}
-    policy = Policy(num_speculative_tokens=3, n_min=0, n_max=CAPACITY, control_budget=control_budget)
+    policy = Policy(
+        num_speculative_tokens=3, n_min=0, n_max=CAPACITY, control_budget=control_budget, cooldown_s=cooldown_s
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        arm = _TunerArm(Path(tmp), interval_s, policy)
+        arm = _TunerArm(Path(tmp), interval_s, policy, window_s)
         tuned = run_arm(cal, arm.settings, phase_s, seed, arm, drift_sigma=drift_sigma)
         decisions, diagnoses = arm.decisions(), list(arm.diagnoses)
         arm.db.dispose()
     return dict(
-        cal=cal, static=static, tuned=tuned, decisions=decisions, diagnoses=diagnoses, policy=policy, drift=drift_sigma
+        cal=cal,
+        static=static,
+        tuned=tuned,
+        decisions=decisions,
+        diagnoses=diagnoses,
+        policy=policy,
+        drift=drift_sigma,
+        interval_s=interval_s,
+        window_s=window_s,
+        phase_s=phase_s,
     )

@@ -4,8 +4,9 @@ the tuner's decisions (predicted vs realised) and the simulator's fidelity."""
 from __future__ import annotations
 
 import statistics
+from datetime import UTC
 
-from .replay import PHASES, STATIC_NS, PhaseResult, fidelity
+from .replay import PHASES, START, STATIC_NS, PhaseResult, fidelity
 
 
 def _total(results: list[PhaseResult]) -> float:
@@ -24,7 +25,8 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
         "the tuner arm runs the real tuner (store, goodput model, batch table, cost probes, policy writes) on the",
         f"simulation's clock. {len(PHASES)} phases of {phase_minutes:g} min, one prompt class, policy start N=3; "
         f"machine speed by the minute: lognormal sigma {run.get('drift', 0.0):g} (the same for every arm); "
-        f"tuner control_budget {run['policy'].control_budget:g}.",
+        f"tuner every {run['interval_s']:g} s over a {run['window_s']:g} s window, cooldown "
+        f"{run['policy'].cooldown_s:g} s, control_budget {run['policy'].control_budget:g}.",
         "",
         "| arm | " + " | ".join(f"{p.name} (batch {p.concurrency})" for p in PHASES) + " | whole run |",
         "|---|" + "---|" * (len(PHASES) + 1),
@@ -78,6 +80,7 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
         lines.append(
             f"| {minutes:.1f} | {d['action']} | {d['n_before']} -> {d['n_after']} | {pred} | {real} | {reason} |"
         )
+    lines += ["", *_convergence(run, applied)]
     lines += [
         "",
         "Simulator vs engine (chat, end-to-end tokens/s; the engine's numbers include prefill):",
@@ -88,6 +91,25 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
     for c, n, sim, measured in fidelity(cal):
         lines.append(f"| {c} | {n} | {sim:.2f} | {measured:.2f} | {sim / measured:.2f} |")
     return lines, criteria
+
+
+def _convergence(run: dict, applied: list[dict]) -> list[str]:
+    """Per phase: the changes the tuner applied in it (explorations and probes among them) and how far
+    into the phase its last one came -- after it, the phase ran on one setting."""
+    lines = [
+        "Convergence per phase (applied changes; the last one's time into the phase):",
+        "",
+        "| phase | applied changes | of them explore / probe | last change (min into phase) |",
+        "|---|---|---|---|",
+    ]
+    phase_s = run["phase_s"]
+    since = [(d, d["at"].replace(tzinfo=UTC).timestamp() - START) for d in applied]  # stored naive, in UTC
+    for i, phase in enumerate(PHASES):
+        mine = [(d, t) for d, t in since if min(len(PHASES) - 1, int(t // phase_s)) == i]
+        measuring = sum(d["action"] in ("explore", "cost_probe", "reprobe") for d, _ in mine)
+        last = f"{(mine[-1][1] - i * phase_s) / 60:.1f}" if mine else "-"
+        lines.append(f"| {phase.name} | {len(mine)} | {measuring} | {last} |")
+    return lines
 
 
 def _realised(d: dict) -> str:
