@@ -86,9 +86,8 @@ def remembered(
     extrapolates, as before).  The window wins wherever it has the trials: it is the newer regime.
     And the history is another regime, not remembered, where it disagrees with the window at a
     position both measured (their ~90 % intervals do not overlap): after a domain shift the hour's
-    code edits say nothing about the chat's fourth position (replay: a class back on at N=6 from
-    the hour's code-edit acceptance ran at 0.66x).  Nor where the window measured too little to
-    tell (under ``min_trials`` at its first position: an off class's probes).
+    code edits say nothing about the new traffic's later positions.  Nor where the window measured
+    too little to tell (under ``min_trials`` at its first position: an off class's probes).
     """
     if not window.samples or window.samples[0] < min_trials:
         return window  # too little of the present to tell whether the history is the same regime
