@@ -25,7 +25,6 @@ from .goodput import (
     bucket_sizes,
     choose_n,
     position_acceptance,
-    remembered,
     speedup,
     stay_margin,
 )
@@ -59,10 +58,10 @@ def decide_class(
     cost: float | CostFit,
     reprobe_margin: float = 0.1,
     pays_elsewhere: bool = False,
-    memory: PositionAcceptance | None = None,
+    estimate: PositionAcceptance | None = None,
 ) -> ClassDecision:
-    """``memory``: the class's acceptance over a longer history, continuing the window's past its
-    data (``goodput.remembered``: an N explored once stays measured)."""
+    """``estimate``: the per-position acceptance to decide on where the caller has one (the job's,
+    continued with the cost window's by ``goodput.remembered``); else from ``drafted`` / ``accepted``."""
     enabled, current = policy.speculation_enabled, policy.num_speculative_tokens
     if not drafted or drafted[0] < MIN_DRAFTS:
         return ClassDecision(
@@ -74,9 +73,7 @@ def decide_class(
             False,
             f"too little data ({drafted[0] if drafted else 0} drafts < {MIN_DRAFTS}): policy stands",
         )
-    est = position_acceptance(drafted, accepted)
-    if memory is not None:
-        est = remembered(est, memory)
+    est = estimate if estimate is not None else position_acceptance(drafted, accepted)
     alphas = list(est.mean)
     rate = sum(accepted) / max(1, sum(drafted))
     here = speedup(alphas, current, cost)

@@ -265,7 +265,7 @@ class Tuner:
             for b, c in costs.items()
             if b != busiest
         )
-        d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere, memory=memory)
+        d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere, estimate=estimate)
         table, probes = policy.batch_table, set()
         if d.acceptance is None:
             alphas = None

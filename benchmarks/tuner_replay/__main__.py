@@ -19,8 +19,11 @@ parser = argparse.ArgumentParser(
 )
 parser.add_argument("--phase-minutes", type=float, default=20.0, help="simulated minutes per phase")
 parser.add_argument("--interval", type=float, default=60.0, help="tuner interval, simulated seconds")
-parser.add_argument("--window", type=float, default=300.0, help="tuner acceptance window, simulated seconds")
-parser.add_argument("--cooldown", type=float, default=300.0, help="the tuner policy's cooldown_s")
+parser.add_argument("--window", type=float, default=None, help="tuner acceptance window, simulated seconds "
+                    "(default: spectune serve's)")  # fmt: skip
+parser.add_argument(
+    "--cooldown", type=float, default=None, help="the tuner policy's cooldown_s (default: the policy's)"
+)
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument(
     "--drift",

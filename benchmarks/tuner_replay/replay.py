@@ -26,6 +26,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from spectune.engine.schema import RuntimeSettings
+from spectune.settings import Settings
 from spectune.store.db import insert_ignoring_duplicates, insert_records, make_engine, upgrade, utc
 from spectune.store.models import StepStat, TunerDecision
 from spectune.store.policies import PolicyRepository
@@ -68,7 +69,7 @@ class PhaseResult:
 class _TunerArm:
     """The real tuner on a real store, fed by the simulator, on simulated time."""
 
-    def __init__(self, workdir: Path, interval_s: float, policy: Policy, window_s: float = 300.0) -> None:
+    def __init__(self, workdir: Path, interval_s: float, policy: Policy, window_s: float) -> None:
         url = f"sqlite:///{workdir}/replay.db"
         upgrade(url)
         self.db = make_engine(url)
@@ -163,12 +164,14 @@ def run(
     interval_s: float,
     drift_sigma: float = 0.0,
     control_budget: float = 0.0,
-    window_s: float = 300.0,
-    cooldown_s: float = 300.0,
+    window_s: float | None = None,
+    cooldown_s: float | None = None,
 ) -> dict:
     """Every arm over the phases; ``drift_sigma``: the machine's minute-to-minute speed (``sim.DRIFT_SIGMA``
     is this machine's); ``control_budget``, ``cooldown_s``: the tuner policy's; ``window_s``: the tuner's
-    acceptance window."""
+    acceptance window (None: what ``spectune serve`` uses by default)."""
+    window_s = Settings.model_fields["tuner_window_s"].default if window_s is None else window_s
+    cooldown_s = Policy.model_fields["cooldown_s"].default if cooldown_s is None else cooldown_s
     cal = Calibration.load()
     phase_s = phase_minutes * 60
     static = {n: run_arm(cal, static_settings(n), phase_s, seed, drift_sigma=drift_sigma) for n in STATIC_NS}
