@@ -221,8 +221,13 @@ def main(settings: dict, statics: list[int], out: Path, phases: tuple[Phase, ...
             for server in servers.values():
                 server.proc.wait(timeout=120)
             for server in servers.values():  # kept: the temporary directory goes
-                shutil.copy(root / server.name / "server.log", LOGS / f"{server.name}.log")
-                shutil.copy(root / server.name / "live.db", LOGS / f"{server.name}.db")
+                # The database with its write-ahead log (recent rows live there until a checkpoint); a
+                # run stopped early may not have written every file yet, and an older run's must not
+                # stay beside this one's.
+                for name, kept in (("server.log", ".log"), ("live.db", ".db"), ("live.db-wal", ".db-wal")):
+                    (LOGS / f"{server.name}{kept}").unlink(missing_ok=True)
+                    if (root / server.name / name).exists():
+                        shutil.copy(root / server.name / name, LOGS / f"{server.name}{kept}")
     raw_path.write_text(json.dumps(raw, default=str))  # to re-render without re-running
     _write(render(raw), out)
 
