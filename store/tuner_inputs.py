@@ -227,16 +227,55 @@ def prefill_costs(db: Engine, since: datetime, until: datetime | None = None) ->
 MEASUREMENT_ACTIONS = ("explore", "cost_probe", "reprobe")  # measurements: no cooldown after them
 
 
-def last_applied(db: Engine, action: str | None = None) -> dict[str, datetime]:
-    """class -> time of the tuner's last applied decision with ``action``, or (None) its last change,
-    measurements excluded."""
+@dataclass(frozen=True)
+class Applied:
+    """One applied tuner decision: what it did, when, and the N it left at its batch bucket."""
+
+    action: str
+    at: datetime
+    n_after: int
+
+
+@dataclass(frozen=True)
+class LastApplied:
+    """Per class, the tuner's last applied decision of each action (one read)."""
+
+    by_class: dict[str, dict[str, Applied]]
+
+    def age(self, prompt_class: str, now: datetime, action: str | None = None) -> timedelta:
+        """How long ago ``action`` was last applied to the class, or (None) its last change, measurements
+        excluded; ``timedelta.max`` if never."""
+        done = self.by_class.get(prompt_class, {})
+        if action is not None:
+            at = done[action].at if action in done else None
+        else:
+            at = max((a.at for a in done.values() if a.action not in MEASUREMENT_ACTIONS), default=None)
+        return timedelta.max if at is None else now - at
+
+    def latest(self, prompt_class: str) -> Applied | None:
+        """The class's last applied decision of any action: the one whose setting is in force."""
+        return max(self.by_class.get(prompt_class, {}).values(), key=lambda a: a.at, default=None)
+
+
+def last_applied(db: Engine) -> LastApplied:
+    """``LastApplied`` read from the store."""
     D = TunerDecision
-    only = D.action == action if action is not None else D.action.not_in(MEASUREMENT_ACTIONS)
+    last = (
+        select(D.prompt_class, D.action, func.max(D.at).label("at"))
+        .where(D.applied.is_(True))
+        .group_by(D.prompt_class, D.action)
+        .subquery()
+    )
     with db.connect() as conn:
         rows = conn.execute(
-            select(D.prompt_class, func.max(D.at)).where(D.applied.is_(True), only).group_by(D.prompt_class)
+            select(D.prompt_class, D.action, D.at, D.n_after)
+            .join(last, (D.prompt_class == last.c.prompt_class) & (D.action == last.c.action) & (D.at == last.c.at))
+            .where(D.applied.is_(True))
         ).all()
-    return {cls: at for cls, at in rows}
+    by_class: dict[str, dict[str, Applied]] = defaultdict(dict)
+    for cls, action, at, n_after in rows:
+        by_class[cls][action] = Applied(action, at, n_after)
+    return LastApplied(dict(by_class))
 
 
 def decisions_awaiting_outcome(db: Engine, before: datetime, max_age: timedelta) -> list[dict]:

@@ -404,3 +404,33 @@ def test_remembered_takes_each_position_from_the_side_that_measured_it(w, h):
         else:
             assert k < len(window.samples) and (mean, trials) == (window.mean[k], window.samples[k])
     assert remembered(window, window) == window
+
+
+def test_an_explored_n_is_held_until_its_step_and_last_position_are_measured():
+    from spectune.tuner.cost import CostFit
+    from spectune.tuner.decide import exploring
+
+    unmeasured_step = CostFit(0.10, 0.35, "fit", measured={0: 0.10, 1: 0.13})
+    measured_step = CostFit(0.10, 0.35, "fit", measured={0: 0.10, 1: 0.13, 2: 0.17})
+    held = exploring(2, unmeasured_step, (200, 40), held_s=20, hold_s=300)
+    assert held is not None and "step time not measured yet" in held
+    held = exploring(2, measured_step, (200, 12), held_s=20, hold_s=300)
+    assert held is not None and "position 2 has 12 of 30 trials" in held
+    assert exploring(2, measured_step, (200,), held_s=20, hold_s=300) is not None  # position 2 never reached
+    assert exploring(2, measured_step, (200, 30), held_s=20, hold_s=300) is None  # measured: decide on it
+    assert exploring(2, unmeasured_step, (200, 12), held_s=300, hold_s=300) is None  # held the most it may be
+    assert exploring(2, 0.3, (200, 12), held_s=20, hold_s=300) is None  # a prior cost: nothing to measure
+
+
+@given(st.integers(1, 6), st.lists(st.integers(0, 100), max_size=7), st.booleans(), st.floats(0, 600))
+@settings(max_examples=200, deadline=None)
+def test_an_exploration_is_held_exactly_while_choose_n_would_call_it_unmeasured(n, trials, step_measured, held_s):
+    """The hold and the exploration share one test of "measured" (``goodput.unmeasured``): an N the
+    tuner explores is held until it stops being a reason to explore, and never past its budget."""
+    from spectune.tuner.cost import CostFit
+    from spectune.tuner.decide import exploring
+    from spectune.tuner.goodput import MIN_TRIALS
+
+    fit = CostFit(0.10, 0.3, "fit", measured={0: 0.10, **({n: 0.13} if step_measured else {})})
+    measured = step_measured and n <= len(trials) and trials[n - 1] >= MIN_TRIALS
+    assert (exploring(n, fit, trials, held_s, hold_s=300) is not None) == (not measured and held_s < 300)

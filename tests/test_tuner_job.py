@@ -281,7 +281,8 @@ def test_a_bucket_whose_plain_step_is_measured_is_not_probed_to_plain_again(tmp_
 def test_a_probe_is_not_repeated_before_its_steps_can_have_landed(tmp_path):
     from spectune.tuner.job import PROBE_SETTLE
 
-    db, tuner, now = _clocked_tuner(tmp_path, timedelta(seconds=10))
+    # n_max 3: every N is measured, so nothing is explored (an exploration would be held, probes with it).
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(seconds=10), n_max=3)
     _steps(db, now[0] - 120, {1: {1: 0.13, 2: 0.16, 3: 0.19}})
     insert_records(db, _good_records(20, now[0] - 30, "a"))
     actions, times = [], []
@@ -707,3 +708,30 @@ def test_an_n_explored_within_the_cost_window_is_not_explored_again_once_the_win
     insert_records(db2, _qa_records(20, [10], [6], now2[0] - 120, "window"))
     (forgot,) = tuner2.run_once()
     assert forgot["action"] == "explore" and forgot["n_after"] == 2, forgot["inputs"]["reason"]
+
+
+def test_an_explored_n_is_held_until_measured_then_decided_on(tmp_path):
+    """One interval is too short to measure an explored N where traffic is slow: the tuner holds it
+    (a "keep" that says what is missing) instead of judging its extrapolation again, and decides once
+    its last position has its trials."""
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(seconds=10), n_min=1, n_max=2, num_speculative_tokens=1)
+    _steps(db, now[0] - 2400, {1: {0: 0.10, 1: 0.13, 2: 0.17}}, steps=400)
+    _steps(db, now[0] - 120, {1: {0: 0.10, 1: 0.13}}, steps=400)
+    insert_records(db, _qa_records(20, [10], [6], now[0] - 120, "window"))
+    (explored,) = tuner.run_once()
+    assert explored["action"] == "explore" and explored["applied"] and explored["n_after"] == 2
+
+    for _ in range(3):  # nothing measured at N=2 yet: held, whatever the model now says of it
+        now[0] += 10
+        (held,) = tuner.run_once()
+        assert held["action"] == "keep" and not held["applied"] and held["n_after"] == 2, held["inputs"]["reason"]
+        assert (
+            held["inputs"]["reason"].startswith("exploring N=2")
+            and "position 2 has 0 of 30" in held["inputs"]["reason"]
+        )
+
+    insert_records(db, _qa_records(10, [10, 10], [6, 3], now[0] - 5, "explored"))  # 60 trials at position 2
+    now[0] += 10
+    (decided,) = tuner.run_once()
+    assert not decided["inputs"]["reason"].startswith("exploring"), decided["inputs"]["reason"]
+    assert decided["inputs"]["position_acceptance"]["trials"][1] >= 30

@@ -12,6 +12,7 @@ then sets N per batch bucket, which is where "off at high batch" comes from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,6 +28,7 @@ from .goodput import (
     position_acceptance,
     speedup,
     stay_margin,
+    unmeasured,
 )
 from .paired_cost import RatioEstimate
 from .policy import MAX_BATCH, Policy, overlay
@@ -125,6 +127,21 @@ def decide_class(
         action: Action = "explore" if choice.explore else "set_n"
         return ClassDecision(action, True, choice.n, choice.predicted_speedup, rate, False, choice.reason)
     return ClassDecision("keep", True, current, here, rate, False, choice.reason)
+
+
+def exploring(
+    n: int, cost: float | CostFit, position_samples: Sequence[int], held_s: float, hold_s: float
+) -> str | None:
+    """Why an explored N in force is held -- None once measured (``goodput.unmeasured``: its step time
+    and its last position's trials) or held ``hold_s``.  Deciding after one interval decides on the
+    model's extrapolation of N again, not on N: where traffic is slow, one interval measures a few
+    steps (live, 2026-12-06: N explored 3 -> 2 -> 3 -> 2 at 30 s spacing, none of it measured)."""
+    if not isinstance(cost, CostFit) or held_s >= hold_s or not unmeasured(n, cost, position_samples):
+        return None
+    trials = position_samples[n - 1] if n <= len(position_samples) else 0
+    step = "step time measured" if n in cost.measured else "step time not measured yet"
+    return (f"exploring N={n} ({held_s:.0f} s of at most {hold_s:.0f} s): position {n} has {trials} of "
+            f"{MIN_TRIALS} trials, {step}")  # fmt: skip
 
 
 def below_plain(measured: Measured, bucket: int, n: int) -> RatioEstimate | None:

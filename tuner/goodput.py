@@ -205,6 +205,12 @@ def stay_margin(min_gain: float) -> float:
     return min_gain / 2
 
 
+def unmeasured(n: int, cost: CostFit, position_samples: Sequence[int]) -> bool:
+    """Whether N is still the model's guess: its step time (``CostFit.measured``) or its last draft
+    position (fewer than ``MIN_TRIALS`` trials) not measured.  What an exploration of N measures."""
+    return n not in cost.measured or n > len(position_samples) or position_samples[n - 1] < MIN_TRIALS
+
+
 @dataclass(frozen=True)
 class Decision:
     n: int
@@ -255,17 +261,17 @@ def choose_n(
         return Decision(0, 1.0, best, scores[best], why, best_low=best_low)
     if scores[best] < here * (1 + min_gain):
         if explore_margin > 0 and isinstance(cost, CostFit) and current > 0 and here > 1:
-            unmeasured = [
+            guessed = [
                 n
                 for n in (current - 1, current + 1)
                 if n in scores
                 and n > 0
-                and (n not in cost.measured or n > len(position_samples) or position_samples[n - 1] < MIN_TRIALS)
+                and unmeasured(n, cost, position_samples)
                 and scores[n] >= here * (1 - explore_margin)
                 and scores[n] > 1.0  # an N the model puts below plain would switch its batches off
             ]
-            if unmeasured:
-                n = max(unmeasured, key=lambda k: scores[k])
+            if guessed:
+                n = max(guessed, key=lambda k: scores[k])
                 why = f"explore N={n}: not measured yet, model {scores[n]:.2f}x vs {here:.2f}x at N={current}"
                 return Decision(n, scores[n], best, scores[best], why, explore=True, best_low=best_low)
         return Decision(current, here, best, scores[best], f"gain below {min_gain:.0%}: stay", best_low=best_low)

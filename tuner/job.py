@@ -17,8 +17,9 @@ from control requests, cost probes and probes), its busiest bucket runs plain
 from the next interval.  So does a class's TTFT budget: where its speculating
 requests' p95 time to first token is above it and plain ones are faster, the
 class goes off, and stays off until its probes are within it
-(``decide.ttft_over_budget``).  When a class goes off for low acceptance, a
-draft diagnosis is started.
+(``decide.ttft_over_budget``).  An explored N in force is held, guard aside, until
+it is measured (``decide.exploring``), for at most a window.  When a class goes
+off for low acceptance, a draft diagnosis is started.
 
 Each run also closes earlier decisions: the *realised* speedup of a decision
 is what its setting delivered against plain while it was in force, in tokens/s
@@ -64,6 +65,7 @@ from .decide import (
     decide_batch_table,
     decide_class,
     drafts_at,
+    exploring,
     guard,
     open_for_probes,
     ttft_guard,
@@ -150,21 +152,22 @@ class Tuner:
             return []
         doc = PolicyDocument.model_validate(current.body)
         reads = self._read(now, self._draft_since(current, now - self.cost_window))
-        changed_at = inputs.last_applied(self.db)
-        explored_at = inputs.last_applied(self.db, "explore")
-        probed_at = inputs.last_applied(self.db, "cost_probe")
+        applied = inputs.last_applied(self.db)
         body, decisions = doc.body(), []
         for cls in sorted(doc.known_classes(self.classes)):  # the policy's classifier, where it has one
             policy = effective_policy(doc, None, cls)
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
-            cooling = cls in changed_at and now - changed_at[cls] < timedelta(seconds=policy.cooldown_s)
-            if cls in explored_at and now - explored_at[cls] < min(self.window, 3 * self.interval):
+            cooling = applied.age(cls, now) < timedelta(seconds=policy.cooldown_s)
+            if applied.age(cls, now, "explore") < min(self.window, 3 * self.interval):
                 # Explorations are spaced: each needs a few intervals to be measured, and churn costs.
                 policy = policy.model_copy(update={"explore_margin": 0.0})
             # No second probe before the first one's steps are in the store.
-            settling = cls in probed_at and now - probed_at[cls] < PROBE_SETTLE + self.interval
-            decided = self._decide(cls, policy, reads, now, current.version, may_probe=not settling, cooling=cooling)
+            settling = applied.age(cls, now, "cost_probe") < PROBE_SETTLE + self.interval
+            latest = applied.latest(cls)
+            explored = latest if latest is not None and latest.action == "explore" else None
+            decided = self._decide(cls, policy, reads, now, current.version, may_probe=not settling, cooling=cooling,
+                                   explored=explored)  # fmt: skip
             if decided is None:
                 continue  # changed less than a cooldown ago, and the guard has nothing against it
             row, override = decided
@@ -239,9 +242,12 @@ class Tuner:
         version: int,
         may_probe: bool = True,
         cooling: bool = False,
+        explored: inputs.Applied | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """One class: the decision row, and the class override to write (None: nothing to apply).
-        ``cooling`` (changed less than a cooldown ago): only the guard may act; None when it does not."""
+        ``cooling`` (changed less than a cooldown ago): only the guard may act; None when it does not.
+        ``explored``: the exploration in force, if the class's last applied decision was one: held
+        until measured (``decide.exploring``), for at most a window, unless acceptance shifted."""
         drafted, accepted, shifted = self._acceptance(cls, reads)
         busiest, steps = reads.busiest, reads.steps
         costs = costs_by_bucket(
@@ -276,10 +282,19 @@ class Tuner:
             d = replace(d, action="keep", enabled=False, n=policy.num_speculative_tokens, reason=f"{d.reason}; {over}")
         reprobe = busiest is not None and not drafts_at(policy, busiest) and self._reprobe(d, busiest)
         guarded = guard(policy, reads.measured, busiest, d.acceptance) or ttft_guard(policy, over, d.acceptance)
+        held = None
+        if explored is not None and estimate is not None and not shifted and busiest is not None:
+            in_force = n_for_batch(policy.batch_table, busiest, policy.num_speculative_tokens)
+            if policy.speculation_enabled and in_force == explored.n_after:
+                held = exploring(in_force, here_cost, estimate.samples, (now - explored.at).total_seconds(),
+                                 self.window.total_seconds())  # fmt: skip
         if guarded is not None:
             d, table = guarded
         elif cooling:
             return None
+        elif held is not None:
+            d = ClassDecision("keep", True, policy.num_speculative_tokens, d.predicted_speedup, d.acceptance, False,
+                              held)  # fmt: skip
         elif d.enabled and alphas is not None:
             in_force = policy.num_speculative_tokens if policy.speculation_enabled else d.n
             # A bucket gets a probe when its plain step was never measured: every speedup is

@@ -31,11 +31,25 @@ parser.add_argument(
     default=0.0,
     help=f"lognormal sigma of the machine's speed by the minute (this machine: about {DRIFT_SIGMA}; 0: steady)",
 )
+parser.add_argument(
+    "--slower",
+    type=float,
+    default=1.0,
+    help="every simulated step this many times as long as calibrated (this machine since 2026-12-07, "
+    "AVX2 without bf16: about 3.5)",
+)
 parser.add_argument("--control-budget", type=float, default=0.0, help="the tuner policy's control_budget")
 parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tuner_replay.md"))
 args = parser.parse_args()
 result = replay.run(
-    args.phase_minutes, args.seed, args.interval, args.drift, args.control_budget, args.window, args.cooldown
+    args.phase_minutes,
+    args.seed,
+    args.interval,
+    args.drift,
+    args.control_budget,
+    args.window,
+    args.cooldown,
+    slower=args.slower,
 )
 lines, criteria = summarise(result, args.phase_minutes)
 Console().print(Markdown("\n".join(lines)))

@@ -27,8 +27,8 @@ from sqlalchemy import select
 
 from spectune.engine.schema import RuntimeSettings
 from spectune.settings import Settings
-from spectune.store.db import insert_ignoring_duplicates, insert_records, make_engine, upgrade, utc
-from spectune.store.models import StepStat, TunerDecision
+from spectune.store.db import insert_records, make_engine, upgrade, upsert_step_stats, utc
+from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository
 from spectune.store.steps import StepAggregator
 from spectune.tuner.job import Tuner
@@ -108,8 +108,11 @@ class _TunerArm:
         self.next_tick += self.interval
         insert_records(self.db, self.records)
         self.records.clear()  # in place: the simulator holds this list's append
-        rows = [{**row, "minute": utc(row["minute"]), "writer": "sim"} for row in self.steps.flush(now=now)]
-        insert_ignoring_duplicates(self.db, StepStat.__table__, rows)
+        # As the recorder does: open minutes' running totals too, replacing their earlier rows, so a
+        # measurement is seen within the interval it ran in, not after its minute closes.
+        flushed = self.steps.flush(now=now, snapshot_open=True)
+        with self.db.begin() as conn:
+            upsert_step_stats(conn, [{**row, "minute": utc(row["minute"]), "writer": "sim"} for row in flushed])
         self.tuner.run_once()
 
     def decisions(self) -> list[dict]:
@@ -124,8 +127,9 @@ def run_arm(
     seed: int,
     arm: _TunerArm | None = None,
     drift_sigma: float = 0.0,
+    slower: float = 1.0,
 ):
-    sim = SimEngine(cal, settings, CAPACITY, seed, drift_sigma=drift_sigma)
+    sim = SimEngine(cal, settings, CAPACITY, seed, drift_sigma=drift_sigma, slower=slower)
     if arm is not None:
         arm.sim = sim
     on_record = arm.records.append if arm else (lambda r: None)
@@ -166,21 +170,24 @@ def run(
     control_budget: float = 0.0,
     window_s: float | None = None,
     cooldown_s: float | None = None,
+    slower: float = 1.0,
 ) -> dict:
     """Every arm over the phases; ``drift_sigma``: the machine's minute-to-minute speed (``sim.DRIFT_SIGMA``
     is this machine's); ``control_budget``, ``cooldown_s``: the tuner policy's; ``window_s``: the tuner's
-    acceptance window (None: what ``spectune serve`` uses by default)."""
+    acceptance window (None: what ``spectune serve`` uses by default); ``slower``: every step that many
+    times as long as calibrated (a slower machine: fewer steps and requests per tuner interval)."""
     window_s = Settings.model_fields["tuner_window_s"].default if window_s is None else window_s
     cooldown_s = Policy.model_fields["cooldown_s"].default if cooldown_s is None else cooldown_s
     cal = Calibration.load()
     phase_s = phase_minutes * 60
-    static = {n: run_arm(cal, static_settings(n), phase_s, seed, drift_sigma=drift_sigma) for n in STATIC_NS}
+    machine = dict(drift_sigma=drift_sigma, slower=slower)
+    static = {n: run_arm(cal, static_settings(n), phase_s, seed, **machine) for n in STATIC_NS}
     policy = Policy(
         num_speculative_tokens=3, n_min=0, n_max=CAPACITY, control_budget=control_budget, cooldown_s=cooldown_s
     )
     with tempfile.TemporaryDirectory() as tmp:
         arm = _TunerArm(Path(tmp), interval_s, policy, window_s)
-        tuned = run_arm(cal, arm.settings, phase_s, seed, arm, drift_sigma=drift_sigma)
+        tuned = run_arm(cal, arm.settings, phase_s, seed, arm, **machine)
         decisions, diagnoses = arm.decisions(), list(arm.diagnoses)
         arm.db.dispose()
     return dict(
@@ -191,6 +198,7 @@ def run(
         diagnoses=diagnoses,
         policy=policy,
         drift=drift_sigma,
+        slower=slower,
         interval_s=interval_s,
         window_s=window_s,
         phase_s=phase_s,

@@ -19,13 +19,14 @@ def summarise(run: dict, phase_minutes: float) -> tuple[list[str], dict[str, boo
     oracle_n = [max(STATIC_NS, key=lambda n: static[n][i].tok_s) for i in range(len(PHASES))]
     arms = [(f"static N={n}", static[n]) for n in STATIC_NS] + [("oracle (best static per phase)", oracle)]
     arms.append(("**tuner**", tuned))
+    slower = f", every step {run['slower']:g}x as long as calibrated" if run.get("slower", 1.0) != 1.0 else ""
     lines = [
         "**SIMULATED, CALIBRATED.** Engine steps are simulated (`benchmarks/tuner_replay/sim.py`) from step times",
         f"and per-position acceptance measured on the real engine ({cal.source}, measured {cal.measured_at});",
         "the tuner arm runs the real tuner (store, goodput model, batch table, cost probes, policy writes) on the",
         f"simulation's clock. {len(PHASES)} phases of {phase_minutes:g} min, one prompt class, policy start N=3; "
-        f"machine speed by the minute: lognormal sigma {run.get('drift', 0.0):g} (the same for every arm); "
-        f"tuner every {run['interval_s']:g} s over a {run['window_s']:g} s window, cooldown "
+        f"machine speed by the minute: lognormal sigma {run.get('drift', 0.0):g} (the same for every arm)"
+        f"{slower}; tuner every {run['interval_s']:g} s over a {run['window_s']:g} s window, cooldown "
         f"{run['policy'].cooldown_s:g} s, control_budget {run['policy'].control_budget:g}.",
         "",
         "| arm | " + " | ".join(f"{p.name} (batch {p.concurrency})" for p in PHASES) + " | whole run |",

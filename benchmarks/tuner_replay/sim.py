@@ -95,10 +95,11 @@ class SimEngine:
         seed: int,
         max_tokens: int = 48,
         drift_sigma: float = 0.0,
+        slower: float = 1.0,
     ) -> None:
         self.cal, self.settings, self.capacity, self.max_tokens = calibration, settings, capacity, max_tokens
         self.rng = random.Random(seed)
-        self.seed, self.drift_sigma = seed, drift_sigma
+        self.seed, self.drift_sigma, self.slower = seed, drift_sigma, slower
         self._speed: dict[int, float] = {}
         self.running: list[_Request] = []
         self.count = 0
@@ -167,10 +168,11 @@ class SimEngine:
         return dt
 
     def slowdown(self, now: float) -> float:
-        """The machine's step-time factor in the simulated minute of ``now`` (1 without drift)."""
+        """The machine's step-time factor in the simulated minute of ``now`` (``slower`` without drift)."""
         minute = int(now // 60)
         if minute not in self._speed:
-            self._speed[minute] = random.Random(self.seed * 1_000_003 + minute).lognormvariate(0.0, self.drift_sigma)
+            drift = random.Random(self.seed * 1_000_003 + minute).lognormvariate(0.0, self.drift_sigma)
+            self._speed[minute] = self.slower * drift
         return self._speed[minute]
 
     def _n(self, r: _Request, batch: int) -> int:
