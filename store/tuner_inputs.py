@@ -252,9 +252,10 @@ class LastApplied:
             at = max((a.at for a in done.values() if a.action not in MEASUREMENT_ACTIONS), default=None)
         return timedelta.max if at is None else now - at
 
-    def latest(self, prompt_class: str) -> Applied | None:
-        """The class's last applied decision of any action: the one whose setting is in force."""
-        return max(self.by_class.get(prompt_class, {}).values(), key=lambda a: a.at, default=None)
+    def exploration(self, prompt_class: str) -> Applied | None:
+        """The exploration in force: the class's last applied decision, where it is an ``explore``."""
+        latest = max(self.by_class.get(prompt_class, {}).values(), key=lambda a: a.at, default=None)
+        return latest if latest is not None and latest.action == "explore" else None
 
 
 def last_applied(db: Engine) -> LastApplied:

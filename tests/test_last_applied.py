@@ -36,8 +36,8 @@ def test_last_applied_per_action_the_last_change_and_the_setting_in_force(db_url
     assert applied.age("qa", now) == timedelta(minutes=15)  # the last change: measurements excluded
     assert applied.age("qa", now, "explore") == timedelta(minutes=10)
     assert applied.age("qa", now, "cost_probe") == timedelta(minutes=11)
-    latest = applied.latest("qa")
-    assert (latest.action, latest.at, latest.n_after) == ("explore", T0 + timedelta(minutes=10), 3)
+    explored = applied.exploration("qa")  # the last applied decision: its setting is in force
+    assert (explored.action, explored.at, explored.n_after) == ("explore", T0 + timedelta(minutes=10), 3)
     assert applied.age("chat", now) == timedelta.max  # only measured, never changed
-    assert applied.latest("chat").action == "cost_probe"
-    assert applied.age("long", now, "explore") == timedelta.max and applied.latest("long") is None
+    assert applied.exploration("chat") is None  # its last applied decision is a cost probe
+    assert applied.age("long", now, "explore") == timedelta.max and applied.exploration("long") is None

@@ -164,10 +164,8 @@ class Tuner:
                 policy = policy.model_copy(update={"explore_margin": 0.0})
             # No second probe before the first one's steps are in the store.
             settling = applied.age(cls, now, "cost_probe") < PROBE_SETTLE + self.interval
-            latest = applied.latest(cls)
-            explored = latest if latest is not None and latest.action == "explore" else None
             decided = self._decide(cls, policy, reads, now, current.version, may_probe=not settling, cooling=cooling,
-                                   explored=explored)  # fmt: skip
+                                   explored=applied.exploration(cls))  # fmt: skip
             if decided is None:
                 continue  # changed less than a cooldown ago, and the guard has nothing against it
             row, override = decided
