@@ -280,11 +280,13 @@ class Tuner:
             d = replace(d, action="keep", enabled=False, n=policy.num_speculative_tokens, reason=f"{d.reason}; {over}")
         reprobe = busiest is not None and not drafts_at(policy, busiest) and self._reprobe(d, busiest)
         guarded = guard(policy, reads.measured, busiest, d.acceptance) or ttft_guard(policy, over, d.acceptance)
+        # The N serving the busiest bucket now (0: plain there).
+        before = n_for_batch(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
+        before = before if policy.speculation_enabled else 0
         held = None
         if explored is not None and estimate is not None and not shifted and busiest is not None:
-            in_force = n_for_batch(policy.batch_table, busiest, policy.num_speculative_tokens)
-            if policy.speculation_enabled and in_force == explored.n_after:
-                held = exploring(in_force, here_cost, estimate.samples, (now - explored.at).total_seconds(),
+            if before > 0 and before == explored.n_after:  # the explored N still runs there
+                held = exploring(before, here_cost, estimate.samples, (now - explored.at).total_seconds(),
                                  self.window.total_seconds())  # fmt: skip
         if guarded is not None:
             d, table = guarded
@@ -323,8 +325,6 @@ class Tuner:
         elif action == "keep" and table != policy.batch_table:
             action = "cost_probe" if probes else "set_table"
             reason = _table_reason(policy.batch_table, table, probes, reads.counts)
-        before = n_for_batch(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
-        before = before if policy.speculation_enabled else 0
         after = n_for_batch(table, busiest or 1, d.n) if d.enabled else 0
         predicted = d.predicted_speedup
         if alphas is not None and action != "off":
