@@ -4,7 +4,6 @@ alone, for a fleet of remote engines that follow it."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -17,20 +16,33 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from spectune.api import alerts, fidelity, fleet, overview, policies, records
+from spectune.api import alerts, fidelity, fleet, overview, records
+from spectune.api import policies as policy_routes
 from spectune.api.auth import TokenSpec
-from spectune.control import EmbeddedControl, PolicyFollower, initial_policy
+from spectune.api.deps import Services
+from spectune.control import EmbeddedControl, PolicyFollower, PolicyService, initial_policy
 from spectune.engine.classifier import PromptClassifier
 from spectune.guard import RequestGuard
-from spectune.store.policies import PolicyRepository, Versioned
 from spectune.tuner.diagnosis_job import DiagnosisRunner
 from spectune.tuner.policy import PolicyDocument
+from spectune.tuner.task import TunerTask
 
 if TYPE_CHECKING:  # the engine's modules import vLLM: a control plane alone (--no-engine) runs without it
     from spectune.engine.core import SpecEngine
     from spectune.engine.openai_server import OpenAIServer
 
 log = logging.getLogger(__name__)
+
+
+def policy_service(
+    db: Engine, engine: SpecEngine | None, follower: PolicyFollower | None, classifier: PromptClassifier | None
+) -> PolicyService:
+    """The control path: the in-process engine subscribes unless it follows a remote control plane."""
+    startup = (engine.config.classifier if engine else classifier or PromptClassifier()).classes
+    service = PolicyService(db, set(startup))
+    if engine is not None and follower is None:
+        service.subscribe(EmbeddedControl(engine))
+    return service
 
 
 def create_app(
@@ -41,37 +53,36 @@ def create_app(
     diagnosis: DiagnosisRunner | None = None,
     max_body_bytes: int = 4 << 20,
     classifier: PromptClassifier | None = None,
+    policies: PolicyService | None = None,
+    tuner: TunerTask | None = None,
 ) -> FastAPI:
     """``follower``: this engine obeys a remote control plane instead of its own store.
-    ``classifier``: a control plane's start-up classes (an engine has its own)."""
+    ``classifier``: a control plane's start-up classes (an engine has its own).
+    ``policies``: the control path (``policy_service``, built here when not given).
+    ``tuner``: runs in the server's event loop from start to shutdown."""
     openai = None
     if engine is not None:
         from spectune.engine.openai_server import OpenAIServer
 
         openai = OpenAIServer(engine)
-    control = EmbeddedControl(engine) if engine is not None and follower is None else None
-    repo = PolicyRepository(db)
+    policies = policies or policy_service(db, engine, follower, classifier)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        app.state.loop = asyncio.get_running_loop()  # for jobs that run in other threads
         if engine is not None and not engine.started:  # tests may hand in a started engine
             await engine.start()
         elif engine is not None:
             await openai.rebind()
-        initial = (initial_policy(engine) if engine else PolicyDocument()).body()
-        current = await run_in_threadpool(repo.ensure, initial, "spectune")
-        if control is not None:
-            try:  # the stored policy wins over start-up flags, so a restart keeps operators' changes
-                control.check(PolicyDocument.model_validate(current.body))
-                await control.apply(current)
-            except ValueError as exc:
-                log.error("stored policy v%d not applied to this engine: %s", current.version, exc)
+        await policies.resume(initial_policy(engine) if engine else PolicyDocument(), "spectune")
         if follower is not None:
             follower.start()
+        if tuner is not None:
+            tuner.start()
         try:
             yield
         finally:
+            if tuner is not None:
+                await tuner.stop()
             if follower is not None:
                 await follower.stop()
             if diagnosis is not None:
@@ -79,28 +90,14 @@ def create_app(
             if engine is not None:
                 await engine.shutdown()
 
-    async def on_policy_change(current: Versioned) -> None:
-        if control is not None:
-            await control.apply(current)
-
-    def check_policy(doc: PolicyDocument) -> None:
-        if control is not None:
-            control.check(doc)
-
     app = FastAPI(
         title="spectune",
         version="0.1.0",
         lifespan=lifespan,
         description="OpenAI-compatible serving with speculative decoding, and its control plane.",
     )
-    app.state.db = db
-    app.state.diagnosis = diagnosis
-    app.state.policies = repo
-    app.state.api_tokens = api_tokens
-    app.state.startup_classes = set((engine.config.classifier if engine else classifier or PromptClassifier()).classes)
-    app.state.on_policy_change = on_policy_change
-    app.state.check_policy = check_policy
-    app.include_router(policies.router)
+    app.state.services = Services(db=db, policies=policies, api_tokens=api_tokens, diagnosis=diagnosis)
+    app.include_router(policy_routes.router)
     app.include_router(records.router)
     app.include_router(alerts.router)
     app.include_router(overview.router)

@@ -3,14 +3,14 @@
     engine --records--> recorder --> DB            (store)
            --records--> request metrics --> /metrics
     DB <-- retention and latency-histogram jobs (APScheduler)
-    API --policy--> EmbeddedControl --settings--> engine   (or PolicyFollower for a remote one)
+    DB --> tuner (TunerTask, in the server's loop) --+--> PolicyService --> EmbeddedControl --settings--> engine
+                                           API ------+       (a remote engine: PolicyFollower polls the API)
 
 ``Stack`` builds them from ``Settings`` and tears them down in order.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY
 
 from spectune.api.auth import Role, TokenSpec
-from spectune.app import create_app
+from spectune.app import create_app, policy_service
 from spectune.control import PolicyFollower
 from spectune.engine import EngineConfig
 from spectune.engine.sinks import JsonlSink, RecordSink
@@ -31,11 +31,11 @@ from spectune.store.db import make_engine, upgrade
 from spectune.store.histograms import refresh_closed_hours
 from spectune.store.instances import fleet, heartbeat
 from spectune.store.metrics import FleetCollector, RecorderCollector, RequestMetrics, TunerMetrics
-from spectune.store.policies import PolicyRepository, Versioned
 from spectune.store.recorder import Recorder
 from spectune.store.retention import expire_prompts, run_retention
 from spectune.tuner.diagnosis_job import GIB, DiagnosisRunner
 from spectune.tuner.job import Tuner
+from spectune.tuner.task import TunerTask
 
 if TYPE_CHECKING:
     from spectune.engine.core import SpecEngine
@@ -170,36 +170,29 @@ def build_stack(settings: Settings, config: EngineConfig | None) -> Stack:
         if models
         else None
     )
-    app = create_app(
-        engine, db, api_tokens(settings), follower, diagnosis, settings.max_body_bytes, settings.classifier
-    )
+    policies = policy_service(db, engine, follower, settings.classifier)
+    tuner = None
     if follower is None:  # a follower's policy belongs to its control plane's tuner
-        policies = PolicyRepository(db)
 
         def instances() -> list[dict]:
-            current = policies.current()
+            current = policies.repository.current()
             return fleet(db, current.version if current else None, current.at if current else None)
 
         collectors.append(FleetCollector(instances))
         REGISTRY.register(collectors[-1])
-
-        def on_change(written: Versioned) -> None:  # in the scheduler's thread
-            loop = getattr(app.state, "loop", None)
-            if loop is None:  # not serving yet: the lifespan applies the stored policy at start
-                return
-            asyncio.run_coroutine_threadsafe(app.state.on_policy_change(written), loop).result(timeout=120)
-
-        tuner = Tuner(
-            db,
-            app.state.startup_classes,  # the policy's classifier replaces them where it has one
-            on_change,
-            request_diagnosis=(lambda cls: diagnosis.submit("tuner", cls)) if diagnosis else None,
-            window=timedelta(seconds=settings.tuner_window_s),
-            interval=timedelta(seconds=settings.tuner_interval_s),
-            cost_window=timedelta(seconds=settings.tuner_cost_window_s),
-            on_decisions=tuner_metrics().observe,
+        tuner = TunerTask(
+            Tuner(
+                policies,
+                request_diagnosis=(lambda cls: diagnosis.submit("tuner", cls)) if diagnosis else None,
+                window=timedelta(seconds=settings.tuner_window_s),
+                interval=timedelta(seconds=settings.tuner_interval_s),
+                cost_window=timedelta(seconds=settings.tuner_cost_window_s),
+                on_decisions=tuner_metrics().observe,
+            ),
+            settings.tuner_interval_s,
         )
-        scheduler.add_job(
-            tuner.run_once, "interval", seconds=settings.tuner_interval_s, id="tuner", max_instances=1, coalesce=True
-        )
+    app = create_app(
+        engine, db, api_tokens(settings), follower, diagnosis, settings.max_body_bytes, settings.classifier,
+        policies=policies, tuner=tuner,
+    )  # fmt: skip
     return Stack(app=app, engine=engine, scheduler=scheduler, collectors=collectors)

@@ -81,6 +81,7 @@ def test_dropping_a_class_that_still_has_an_override_is_refused(api):
 def test_the_tuner_decides_for_the_policys_classes(tmp_path):
     from datetime import timedelta
 
+    from spectune.control import PolicyService
     from spectune.store.policies import PolicyRepository
     from spectune.tuner.job import Tuner
     from spectune.tuner.policy import PolicyDocument
@@ -89,5 +90,5 @@ def test_the_tuner_decides_for_the_policys_classes(tmp_path):
     upgrade(url)
     db = make_engine(url)
     PolicyRepository(db).ensure(PolicyDocument.model_validate({"classifier": CLASSIFIER}).body(), "test")
-    tuner = Tuner(db, {"qa", "long"}, lambda _: None, window=timedelta(minutes=5))
+    tuner = Tuner(PolicyService(db, {"qa", "long"}), window=timedelta(minutes=5))
     assert {d["prompt_class"] for d in tuner.run_once()} == {"qa", "chat", "code_edit"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from datetime import UTC, datetime, timedelta
@@ -9,12 +10,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import insert
 
+from spectune.control import PolicyService
 from spectune.engine.schema import BatchRange
 from spectune.store.db import insert_records, make_engine, upgrade
 from spectune.store.policies import PolicyRepository
 from spectune.tuner.goodput import position_acceptance
 from spectune.tuner.job import Tuner
 from spectune.tuner.policy import Policy, PolicyDocument
+from spectune.tuner.task import TunerTask
 
 from records import make_records
 
@@ -37,13 +40,39 @@ def _bad_records(n: int):
     return _qa_records(n, [3, 3, 3], [0, 0, 0])
 
 
+class _Applied:
+    """A subscriber of the policy service standing for the engine: the versions it was given."""
+
+    def __init__(self, changes: list) -> None:
+        self.changes = changes
+
+    def check(self, doc: PolicyDocument) -> None:
+        pass
+
+    async def apply(self, current) -> None:
+        self.changes.append(current)
+
+
+def _service(db, classes: set[str], changes: list | None = None, **clock) -> PolicyService:
+    service = PolicyService(db, classes, **clock)
+    if changes is not None:
+        service.subscribe(_Applied(changes))
+    return service
+
+
+def _tick(tuner: Tuner) -> list[dict]:
+    """One run as the server makes it (``TunerTask``): decide and write in a worker thread, then publish."""
+    return asyncio.run(TunerTask(tuner, tuner.interval.total_seconds()).tick())
+
+
 @pytest.fixture
 def setup(tmp_path):
     url = f"sqlite:///{tmp_path}/t.db"
     upgrade(url)
     db = make_engine(url)
     changes, diagnoses = [], []
-    tuner = Tuner(db, {"qa", "long"}, changes.append, request_diagnosis=diagnoses.append, window=timedelta(minutes=5))
+    service = _service(db, {"qa", "long"}, changes)
+    tuner = Tuner(service, request_diagnosis=diagnoses.append, window=timedelta(minutes=5))
     return db, tuner, changes, diagnoses
 
 
@@ -55,7 +84,7 @@ def test_auto_switches_off_a_bad_class_and_audits_it(setup):
     db, tuner, changes, diagnoses = setup
     _start(db, "auto")
     insert_records(db, _bad_records(50))
-    decisions = {d["prompt_class"]: d for d in tuner.run_once()}
+    decisions = {d["prompt_class"]: d for d in _tick(tuner)}
     assert decisions["qa"]["action"] == "off" and decisions["qa"]["applied"]
     assert decisions["long"]["action"] == "keep"  # no data: policy stands
     assert diagnoses == ["qa"]
@@ -69,7 +98,7 @@ def test_advise_records_but_applies_nothing(setup):
     db, tuner, changes, _diagnoses = setup
     _start(db, "advise")
     insert_records(db, _bad_records(50))
-    decisions = {d["prompt_class"]: d for d in tuner.run_once()}
+    decisions = {d["prompt_class"]: d for d in _tick(tuner)}
     assert decisions["qa"]["action"] == "off" and not decisions["qa"]["applied"]
     assert changes == [] and PolicyRepository(db).current().version == 1
 
@@ -161,8 +190,7 @@ def _clocked_tuner(tmp_path, interval: timedelta, changes: list | None = None, *
     db = make_engine(url)
     now = [datetime(2026, 1, 1, 12, tzinfo=UTC).timestamp()]
     clock = lambda: datetime.fromtimestamp(now[0], UTC)  # noqa: E731
-    on_change = changes.append if changes is not None else (lambda _: None)
-    tuner = Tuner(db, {"qa"}, on_change, interval=interval, clock=clock)
+    tuner = Tuner(_service(db, {"qa"}, changes, clock=clock), interval=interval)
     PolicyRepository(db, clock=clock).ensure(
         PolicyDocument(global_=Policy(**{"cooldown_s": 0, **policy})).body(), "test"
     )
@@ -177,7 +205,7 @@ def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
     _steps(db, now[0] - 120, {1: {0: 0.10, 3: 0.13}}, steps=2000)
     _steps(db, now[0] - 120, {8: {3: 0.80}})
     insert_records(db, _good_records(20, now[0] - 30, "a"))
-    (first,) = tuner.run_once()
+    (first,) = _tick(tuner)
     assert first["applied"] and first["inputs"]["cost_probes"] == [8]
     assert {"min_batch": 5, "max_batch": 8, "num_speculative_tokens": 0} in first["inputs"]["batch_table"]  # probe only
     # The probe measures batch 8 at N=0: N=3 costs 4x there, so batch 8 stays off; batch 1 goes up.
@@ -185,7 +213,7 @@ def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
     _steps(db, now[0] - 60, {1: {first["n_after"]: 0.10 + 0.01 * first["n_after"]}}, steps=2000)
     _steps(db, now[0] - 60, {8: {0: 0.20}})
     insert_records(db, _good_records(20, now[0] - 10, "b"))
-    (second,) = tuner.run_once()
+    (second,) = _tick(tuner)
     costs = second["inputs"]["costs"]
     assert costs["8"]["source"] == "fit" and costs["8"]["cost_ratio"] == pytest.approx(1.0, rel=0.01)
     table = {(e["min_batch"], e["max_batch"]): e["num_speculative_tokens"] for e in second["inputs"]["batch_table"]}
@@ -193,7 +221,7 @@ def test_per_batch_table_cost_probe_and_realised_speedup(tmp_path):
     assert changes[-1].body["classes"]["qa"]["batch_table"] == second["inputs"]["batch_table"]
     # A later run closes the first decision with a realised speedup from what was measured after it.
     now[0] += 60
-    tuner.run_once()
+    _tick(tuner)
     from sqlalchemy import select
 
     from spectune.store.models import TunerDecision
@@ -558,7 +586,7 @@ def test_the_tuner_pays_control_requests_from_the_class_budget(tmp_path, budget)
     for k in (4, 3, 2):
         _steps(db, now[0] - 60 * k, {1: {0: 0.10, 3: 0.12}})
     insert_records(db, _good_records(40, now[0] - 30, "a"))
-    (row,) = tuner.run_once()
+    (row,) = _tick(tuner)
     assert row["action"] == "on" and row["applied"], row["inputs"]["reason"]
     (written,) = changes
     qa = written.body["classes"]["qa"]
@@ -646,7 +674,7 @@ def test_a_ttft_budget_switches_speculation_off_even_in_a_cooldown_and_keeps_it_
     def runs(k: int):
         for m in range(k):  # both sides measured every minute
             _steps(db, now[0] - 60 * (m + 1), {1: {0: 0.10, 3: 0.12}})
-        (row,) = tuner.run_once()
+        (row,) = _tick(tuner)
         return row
 
     insert_records(db, _timed_records(40, start - 30, 0.05))

@@ -9,6 +9,7 @@ import psycopg
 import pytest
 from sqlalchemy import func, select
 
+from spectune.control import PolicyService
 from spectune.store.db import insert_records, make_engine, upgrade
 from spectune.store.leader import LOCK_KEY, LeaderLease, StaleLeaderError
 from spectune.store.models import TunerDecision
@@ -32,7 +33,7 @@ def _epochs(db) -> dict[int, int]:
 
 
 def _tuner(db, holder: str) -> Tuner:
-    return Tuner(db, {"qa"}, lambda _: None, window=timedelta(minutes=5), holder=holder)
+    return Tuner(PolicyService(db, {"qa"}), window=timedelta(minutes=5), holder=holder)
 
 
 def test_sqlite_holds_the_lease_from_the_first_run(tmp_path):

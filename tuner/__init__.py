@@ -1,1 +1,1 @@
-"""The control plane's decisions: policies now, the goodput tuner next."""
+"""The control plane's decisions: the policy model, the goodput tuner and draft diagnosis."""

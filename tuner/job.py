@@ -1,4 +1,4 @@
-"""The tuner: a scheduled job that turns records into speculation decisions.
+"""The tuner: a periodic job (``tuner/task.py`` runs it) that turns records into speculation decisions.
 
 Every ``interval`` it reads acceptance per class (over ``window``, or over the
 last interval when acceptance has visibly shifted) and step times per batch
@@ -7,11 +7,12 @@ and the steps that drafted only from when the draft in force came in -- a
 policy change of method or draft model -- since the old draft's say nothing
 about the new one), decides per class (``decide_class``,
 ``decide_batch_table``), records every decision with its inputs, and in
-``auto`` mode writes the change into the policy (as actor ``tuner``, so it is
-versioned, audited and reversible like an operator's), which propagates to
-the engines.  ``advise`` records only; ``frozen`` does nothing.  A class
-changed less than ``cooldown_s`` ago is left alone -- except by the guard:
-where serving at the class's N measured slower than plain in the same minutes
+``auto`` mode writes the change into the policy through the ``PolicyService``
+(as actor ``tuner``, so it is versioned, audited and reversible like an
+operator's), whose subscribers put it in force on the engines.  ``advise``
+records only; ``frozen`` does nothing.  A class changed less than
+``cooldown_s`` ago is left alone -- except by the guard: where serving at the
+class's N measured slower than plain in the same minutes
 (``paired_cost.paired_speedup``, whole interval below 1; the plain side comes
 from control requests, cost probes and probes), its busiest bucket runs plain
 from the next interval.  So does a class's TTFT budget: where its speculating
@@ -47,16 +48,17 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, insert
 
+from spectune.control.service import PolicyService
 from spectune.engine.schema import n_for_batch
 from spectune.store import tuner_inputs as inputs
 from spectune.store.leader import LeaderLease, StaleLeaderError
 from spectune.store.models import TunerDecision
-from spectune.store.policies import PolicyRepository, StaleVersionError, Versioned
+from spectune.store.policies import StaleVersionError, Versioned
 
 from .cost import CostFit, baseline, costs_by_bucket
 from .decide import (
@@ -115,46 +117,51 @@ def _positions(estimate: PositionAcceptance | None, window: PositionAcceptance |
     return {"alpha": list(estimate.mean), "trials": list(estimate.samples), "from_history": from_history}
 
 
-def _utc_now() -> datetime:
-    return datetime.now(UTC)
+class TunerRun(NamedTuple):
+    decisions: list[dict[str, Any]]
+    written: Versioned | None  # the policy version the run wrote, not yet published
 
 
 @dataclass
 class Tuner:
-    db: Engine
-    classes: set[str]
-    on_change: Callable[[Versioned], None]
+    """Decides and writes through ``policies`` (its clock is the tuner's); ``TunerTask`` runs it."""
+
+    policies: PolicyService
     request_diagnosis: Callable[[str], None] | None = None
     window: timedelta = timedelta(minutes=5)
     interval: timedelta = timedelta(minutes=1)
     cost_window: timedelta = timedelta(hours=1)
-    clock: Callable[[], datetime] = _utc_now
     # Called with each run's decisions (e.g. to export the predicted speedup in force).
     on_decisions: Callable[[list[dict[str, Any]]], None] | None = None
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    policies: PolicyRepository = field(init=False)
     # (policy version, its draft, when that draft came in -- None: before any cost window): spares
     # each run a walk through every version since the last draft change.
     _draft_seen: tuple[int, tuple[str | None, str | None], datetime | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.policies = PolicyRepository(self.db, clock=self.clock)
+        self.db: Engine = self.policies.db
+        self.clock: Callable[[], datetime] = self.policies.clock
         self.leader = LeaderLease(self.db, self.holder)
 
     def run_once(self) -> list[dict[str, Any]]:
+        """One run's decisions; what it wrote is in the store, not yet published (``TunerTask`` does that)."""
+        return self.decide_and_write().decisions
+
+    def decide_and_write(self) -> TunerRun:
+        """Blocking (the database): ``TunerTask`` runs it in a worker thread."""
         epoch = self.leader.acquire()
         if epoch is None:
-            return []
+            return TunerRun([], None)
         now = self.clock()
         self.close_decisions(now)
-        current = self.policies.current()
+        current = self.policies.repository.current()
         if current is None:
-            return []
+            return TunerRun([], None)
         doc = PolicyDocument.model_validate(current.body)
         reads = self._read(now, self._draft_since(current, now - self.cost_window))
         applied = inputs.last_applied(self.db)
         body, decisions = doc.body(), []
-        for cls in sorted(doc.known_classes(self.classes)):  # the policy's classifier, where it has one
+        for cls in sorted(self.policies.known_classes(doc)):  # the policy's classifier, where it has one
             policy = effective_policy(doc, None, cls)
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
@@ -173,13 +180,12 @@ class Tuner:
             if override is not None:
                 body.setdefault("classes", {}).setdefault(cls, {}).update(override)
             decisions.append(row)
-        self._write(body, current.version, decisions)
-        return decisions
+        return TunerRun(decisions, self._write(body, current.version, decisions))
 
     def _versions(self, page: int = 100) -> Iterator[Versioned]:
         """Every policy version, newest first, read a page at a time."""
         offset = 0
-        while batch := self.policies.versions(page, offset):
+        while batch := self.policies.repository.versions(page, offset):
             yield from batch
             if len(batch) < page:
                 return
@@ -389,8 +395,8 @@ class Tuner:
         )
         return row, override
 
-    def _write(self, body: dict[str, Any], version: int, decisions: list[dict[str, Any]]) -> None:
-        """Applied decisions become one policy version (actor tuner); every decision becomes a row.
+    def _write(self, body: dict[str, Any], version: int, decisions: list[dict[str, Any]]) -> Versioned | None:
+        """Applied decisions become one policy version (actor tuner), returned; every decision becomes a row.
 
         One transaction, fenced by the leader lease: a tuner that lost its lease writes neither.
         """
@@ -404,9 +410,10 @@ class Tuner:
                     )
                     try:
                         with conn.begin_nested():
-                            written = self.policies.write(body, version, "tuner", reason, "tuner", conn)
-                    except StaleVersionError:
-                        log.info("policy changed meanwhile; tuner decides again next interval")
+                            written = self.policies.commit(body, version, "tuner", reason, "tuner", conn)
+                    except (StaleVersionError, ValueError) as exc:  # ValueError: a subscriber refused it
+                        level = logging.INFO if isinstance(exc, StaleVersionError) else logging.WARNING
+                        log.log(level, "tuner's policy not written (%s); it decides again next interval", exc)
                         for x in decisions:
                             x["applied"] = False
                 if decisions:
@@ -414,11 +421,10 @@ class Tuner:
         except StaleLeaderError as exc:
             log.warning("tuner run refused: %s", exc)
             decisions.clear()
-            return
-        if written is not None:
-            self.on_change(written)
+            return None
         if decisions and self.on_decisions is not None:
             self.on_decisions(decisions)
+        return written
 
     def close_decisions(self, now: datetime) -> int:
         """Fill in the realised speedup of decisions whose setting has been measured

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 from sqlalchemy import Engine
 
+from spectune.control import PolicyService
 from spectune.store.aggregates import QUANTILES, acceptance_by_class, latency_by_class, timeseries_by_class
 from spectune.store.policies import PolicyRepository
 from spectune.store.retention import expire_records
@@ -134,7 +135,7 @@ def tuner_run(db: Engine, r: Records, end_us: int, records_in_window: int) -> di
     newest = np.sort(r.finish_us)[-records_in_window:]
     window = timedelta(microseconds=int(end_us - newest[0]) + 1)
     now = at_us(end_us + 1)
-    tuner = Tuner(db, set(NAMES), lambda _: None, window=window, interval=timedelta(minutes=1), clock=lambda: now)
+    tuner = Tuner(PolicyService(db, set(NAMES), clock=lambda: now), window=window, interval=timedelta(minutes=1))
     began = time.perf_counter()
     decisions = tuner.run_once()
     seconds = time.perf_counter() - began

@@ -18,6 +18,7 @@ simulation is from the engine's measured tokens/s.
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -25,14 +26,16 @@ from pathlib import Path
 
 from sqlalchemy import select
 
+from spectune.control import PolicyService
 from spectune.engine.schema import RuntimeSettings
 from spectune.settings import Settings
 from spectune.store.db import insert_records, make_engine, upgrade, upsert_step_stats, utc
 from spectune.store.models import TunerDecision
-from spectune.store.policies import PolicyRepository
+from spectune.store.policies import Versioned
 from spectune.store.steps import StepAggregator
 from spectune.tuner.job import Tuner
 from spectune.tuner.policy import Policy, PolicyDocument, runtime_settings
+from spectune.tuner.task import TunerTask
 
 from .sim import Calibration, SimEngine
 
@@ -75,28 +78,34 @@ class _TunerArm:
         self.db = make_engine(url)
         self.now = START
         clock = lambda: datetime.fromtimestamp(self.now, UTC)  # noqa: E731
-        written = PolicyRepository(self.db, clock=clock).ensure(PolicyDocument(global_=policy).body(), "replay")
+        policies = PolicyService(self.db, {PROMPT_CLASS}, clock=clock)
+        written = policies.repository.ensure(PolicyDocument(global_=policy).body(), "replay")
+        policies.subscribe(self)  # the simulated engine follows the policy as the embedded one does
         self.settings = self._settings(written.body, written.version)
         self.records, self.steps = [], StepAggregator()
         self.diagnoses: list[str] = []
         self.interval = interval_s
         self.next_tick = START + interval_s
-        self.tuner = Tuner(
-            self.db,
-            {PROMPT_CLASS},
-            self._on_change,
-            request_diagnosis=self.diagnoses.append,
-            interval=timedelta(seconds=interval_s),
-            window=timedelta(seconds=window_s),
-            clock=clock,
+        self.tuner = TunerTask(
+            Tuner(
+                policies,
+                request_diagnosis=self.diagnoses.append,
+                interval=timedelta(seconds=interval_s),
+                window=timedelta(seconds=window_s),
+            ),
+            interval_s,
         )
+        self.loop = asyncio.Runner()  # the server's event loop, as far as the tuner's tick goes
         self.sim: SimEngine | None = None
 
     @staticmethod
     def _settings(body: dict, version: int) -> RuntimeSettings:
         return runtime_settings(PolicyDocument.model_validate(body), "sim", {PROMPT_CLASS}, version)
 
-    def _on_change(self, written) -> None:
+    def check(self, doc: PolicyDocument) -> None:
+        """The simulator runs any N up to its calibration's; the policy's n_max keeps to that."""
+
+    async def apply(self, written: Versioned) -> None:
         self.settings = self._settings(written.body, written.version)
         if self.sim is not None:
             self.sim.settings = self.settings
@@ -113,7 +122,7 @@ class _TunerArm:
         flushed = self.steps.flush(now=now, snapshot_open=True)
         with self.db.begin() as conn:
             upsert_step_stats(conn, [{**row, "minute": utc(row["minute"]), "writer": "sim"} for row in flushed])
-        self.tuner.run_once()
+        self.loop.run(self.tuner.tick())
 
     def decisions(self) -> list[dict]:
         with self.db.connect() as conn:
@@ -187,9 +196,12 @@ def run(
     )
     with tempfile.TemporaryDirectory() as tmp:
         arm = _TunerArm(Path(tmp), interval_s, policy, window_s)
-        tuned = run_arm(cal, arm.settings, phase_s, seed, arm, **machine)
-        decisions, diagnoses = arm.decisions(), list(arm.diagnoses)
-        arm.db.dispose()
+        try:
+            tuned = run_arm(cal, arm.settings, phase_s, seed, arm, **machine)
+            decisions, diagnoses = arm.decisions(), list(arm.diagnoses)
+        finally:
+            arm.loop.close()
+            arm.db.dispose()
     return dict(
         cal=cal,
         static=static,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import update
 
@@ -20,7 +20,7 @@ from spectune.store.db import conflict_insert
 from spectune.store.models import AlertEvent
 
 from .auth import ERRORS, Operator
-from .classes import known_classes
+from .deps import Database, Diagnosis, Policies
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"], responses=ERRORS)
 
@@ -53,10 +53,12 @@ def _insert_new(conn: Any) -> Any:
 
 
 @router.post("/alerts/alertmanager")
-def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> dict[str, Any]:
+def alertmanager_webhook(
+    db: Database, policies: Policies, runner: Diagnosis, payload: WebhookIn, _: Operator
+) -> dict[str, Any]:
     stored, firing = 0, []
     now = datetime.now(UTC)
-    with request.app.state.db.begin() as conn:
+    with db.begin() as conn:
         for alert in payload.alerts:
             starts = alert.startsAt if alert.startsAt.tzinfo else alert.startsAt.replace(tzinfo=UTC)
             row = dict(
@@ -74,11 +76,10 @@ def alertmanager_webhook(request: Request, payload: WebhookIn, _: Operator) -> d
             stored += 1
             if alert.status == "firing" and alert.labels.get("diagnose") != "false":
                 firing.append((event_id, alert.labels.get("class")))
-    runner = request.app.state.diagnosis
-    classes = known_classes(request) if firing and runner is not None else set()
+    classes = policies.known_classes() if firing and runner is not None else set()
     for event_id, prompt_class in firing if runner is not None else ():
         known = prompt_class if prompt_class in classes else None
         report_id, _ = runner.submit("alert", known)
-        with request.app.state.db.begin() as conn:
+        with db.begin() as conn:
             conn.execute(update(AlertEvent).where(AlertEvent.id == event_id).values(diagnosis_id=report_id))
     return {"received": len(payload.alerts), "stored": stored}

@@ -18,6 +18,8 @@ from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, SecretStr
 
+from . import deps
+
 
 class Role(StrEnum):
     VIEWER = "viewer"
@@ -54,7 +56,7 @@ def principal(
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
-    found = authenticate(request.app.state.api_tokens, credentials.credentials)
+    found = authenticate(deps.services(request).api_tokens, credentials.credentials)
     if found is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid token", headers={"WWW-Authenticate": "Bearer"})
     return found

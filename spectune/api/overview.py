@@ -6,14 +6,14 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
 from spectune.store.aggregates import timeseries_by_class
 from spectune.store.retention import left_out
 from spectune.tuner.policy import PolicyDocument, effective_policy
 
 from .auth import ERRORS, Viewer
-from .classes import known_classes
+from .deps import Database, Policies
 from .records import Window
 
 router = APIRouter(prefix="/api/v1", tags=["overview"], responses=ERRORS)
@@ -25,12 +25,12 @@ def whoami(principal: Viewer) -> dict[str, str]:
 
 
 @router.get("/classes")
-def classes(request: Request, _: Viewer) -> dict[str, Any]:
+def classes(policies: Policies, _: Viewer) -> dict[str, Any]:
     """Every known prompt class with the policy in force for it (global <- class override)."""
-    current = request.app.state.policies.current()
-    doc = PolicyDocument.model_validate(current.body) if current else PolicyDocument()
+    current = policies.repository.current()
+    doc = policies.document(current) if current else PolicyDocument()
     out = []
-    for cls in sorted(known_classes(request, doc)):
+    for cls in sorted(policies.known_classes(doc)):
         p = effective_policy(doc, None, cls)
         out.append(
             {
@@ -46,19 +46,19 @@ def classes(request: Request, _: Viewer) -> dict[str, Any]:
 
 @router.get("/stats/timeseries")
 def timeseries(
-    request: Request,
+    db: Database,
     _: Viewer,
     window_s: Window = 3600.0,
     bucket_s: Annotated[float, Query(ge=1, le=86_400, description="Width of one point in seconds")] = 60.0,
 ) -> dict[str, Any]:
     """Per class and time bucket: requests, acceptance (accepted / drafted), output tokens/s."""
     since = datetime.now(UTC) - timedelta(seconds=window_s)
-    rows = timeseries_by_class(request.app.state.db, since, bucket_s)
+    rows = timeseries_by_class(db, since, bucket_s)
     return {
         "window_s": window_s,
         "bucket_s": bucket_s,
         # widths of whole minutes read the sums; others read only records, all of them gone before the horizon
-        "left_out": left_out(request.app.state.db, since, raw_only=round(bucket_s * 1e6) % 60_000_000 != 0),
+        "left_out": left_out(db, since, raw_only=round(bucket_s * 1e6) % 60_000_000 != 0),
         "points": [
             {
                 "class": cls,

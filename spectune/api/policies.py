@@ -3,24 +3,26 @@
 Optimistic concurrency: every read returns ``ETag: "<version>"``; every
 write needs ``If-Match`` with the version it is based on (428 without it,
 400 for anything but one strong version ETag, 409 when it is stale).
-``X-Change-Reason`` goes into the audit trail.  The write handlers are
-``async`` (they notify the engine) and run their database work in the
-thread pool, so a hung database never stalls the event loop that serves ``/v1``.
+``X-Change-Reason`` goes into the audit trail.  Every write goes through the
+``PolicyService`` (validation, the versioned write, the engine holding it
+when the response is sent); its database work runs in the thread pool, so a
+hung database never stalls the event loop that serves ``/v1``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
+from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field, ValidationError
 
+from spectune.control.service import PolicyService
 from spectune.store.policies import StaleVersionError, Versioned, json_diff
-from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings, validate_document
+from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings
 
 from .auth import ERRORS, MAX_ID, ErrorOut, Offset, Operator, Viewer
-from .classes import known_classes
+from .deps import Policies
 
 router = APIRouter(prefix="/api/v1", tags=["policy"], responses=ERRORS)
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -79,11 +81,9 @@ def _expected(if_match: str | None) -> int:
     )
 
 
-def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
+def _validated(policies: PolicyService, body: dict[str, Any]) -> PolicyDocument:
     try:
-        doc = PolicyDocument.model_validate(body)
-        validate_document(doc, request.app.state.startup_classes)
-        request.app.state.check_policy(doc)
+        return policies.validated(body)
     except ValidationError as exc:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_ENTITY,
@@ -96,31 +96,35 @@ def _validated(request: Request, body: dict[str, Any]) -> PolicyDocument:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_ENTITY, [{"loc": ["policy"], "msg": str(exc), "type": "value_error"}]
         ) from None
-    return doc
 
 
 async def _write(
-    request: Request, response: Response, doc: PolicyDocument, expected: int, who: str, reason: str | None, action: str
+    policies: PolicyService,
+    response: Response,
+    doc: PolicyDocument,
+    expected: int,
+    who: str,
+    reason: str | None,
+    action: str,
 ) -> PolicyVersionOut:
     try:
-        written = await run_in_threadpool(request.app.state.policies.write, doc.body(), expected, who, reason, action)
+        written = await policies.write(doc, expected, who, reason, action)
     except StaleVersionError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc), headers={"ETag": _etag(exc.current)}) from None
-    await request.app.state.on_policy_change(written)
     response.headers["ETag"] = _etag(written.version)
     return _out(written)
 
 
 @router.get("/policy", response_model=PolicyVersionOut)
-def get_policy(request: Request, response: Response, _: Viewer) -> PolicyVersionOut:
-    current = request.app.state.policies.current()
+def get_policy(policies: Policies, response: Response, _: Viewer) -> PolicyVersionOut:
+    current = policies.current()
     response.headers["ETag"] = _etag(current.version)
     return _out(current)
 
 
 @router.put("/policy", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def replace_policy(
-    request: Request,
+    policies: Policies,
     response: Response,
     who: Operator,
     body: PolicyDocument,
@@ -129,7 +133,7 @@ async def replace_policy(
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
     return await _write(
-        request, response, _validated(request, body.body()), expected, who.name, x_change_reason, "replace"
+        policies, response, _validated(policies, body.body()), expected, who.name, x_change_reason, "replace"
     )
 
 
@@ -148,7 +152,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 @router.patch("/policy", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def patch_policy(
-    request: Request,
+    policies: Policies,
     response: Response,
     who: Operator,
     patch: Annotated[dict[str, Any], Body(description="JSON merge patch (RFC 7386) on the policy document")],
@@ -156,43 +160,43 @@ async def patch_policy(
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
-    current = await run_in_threadpool(request.app.state.policies.current)
-    doc = _validated(request, merge_patch(current.body, patch))
-    return await _write(request, response, doc, expected, who.name, x_change_reason, "patch")
+    current = await run_in_threadpool(policies.current)
+    doc = _validated(policies, merge_patch(current.body, patch))
+    return await _write(policies, response, doc, expected, who.name, x_change_reason, "patch")
 
 
 @router.get("/policy/versions", response_model=list[PolicyVersionOut])
 def list_versions(
-    request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Offset = 0
+    policies: Policies, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Offset = 0
 ) -> list[PolicyVersionOut]:
-    return [_out(v) for v in request.app.state.policies.versions(limit, offset)]
+    return [_out(v) for v in policies.repository.versions(limit, offset)]
 
 
-def _version(request: Request, number: int) -> Versioned:
-    found = request.app.state.policies.version(number)
+def _version(policies: PolicyService, number: int) -> Versioned:
+    found = policies.repository.version(number)
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no policy version {number}")
     return found
 
 
 @router.get("/policy/versions/{number}", response_model=PolicyVersionOut)
-def get_version(request: Request, number: VersionNumber, _: Viewer) -> PolicyVersionOut:
-    return _out(_version(request, number))
+def get_version(policies: Policies, number: VersionNumber, _: Viewer) -> PolicyVersionOut:
+    return _out(_version(policies, number))
 
 
 @router.get("/policy/diff")
 def diff_versions(
-    request: Request,
+    policies: Policies,
     _: Viewer,
     from_: Annotated[int, Query(alias="from", ge=1, le=MAX_ID)],
     to: Annotated[int, Query(ge=1, le=MAX_ID)],
 ) -> dict[str, Any]:
-    return {"from": from_, "to": to, "changes": json_diff(_version(request, from_).body, _version(request, to).body)}
+    return {"from": from_, "to": to, "changes": json_diff(_version(policies, from_).body, _version(policies, to).body)}
 
 
 @router.post("/policy/rollback", response_model=PolicyVersionOut, responses=WRITE_ERRORS)
 async def rollback(
-    request: Request,
+    policies: Policies,
     response: Response,
     who: Operator,
     body: RollbackIn,
@@ -200,48 +204,48 @@ async def rollback(
     x_change_reason: Reason = None,
 ) -> PolicyVersionOut:
     expected = _expected(if_match)
-    target = await run_in_threadpool(_version, request, body.version)
-    doc = _validated(request, target.body)
+    target = await run_in_threadpool(_version, policies, body.version)
+    doc = _validated(policies, target.body)
     reason = x_change_reason or f"rollback to version {body.version}"
-    return await _write(request, response, doc, expected, who.name, reason, "rollback")
+    return await _write(policies, response, doc, expected, who.name, reason, "rollback")
 
 
 @router.get("/policy/effective", response_model=Policy)
 def effective(
-    request: Request,
+    policies: Policies,
     _: Viewer,
     instance: str | None = None,
     prompt_class: Annotated[str | None, Query(alias="class")] = None,
 ) -> Policy:
-    doc = PolicyDocument.model_validate(request.app.state.policies.current().body)
-    if prompt_class is not None and prompt_class not in known_classes(request, doc):
+    doc = policies.document()
+    if prompt_class is not None and prompt_class not in policies.known_classes(doc):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
     return effective_policy(doc, instance, prompt_class)
 
 
 @router.get("/engines/{instance}/settings", responses={304: {"description": "Unchanged since If-None-Match"}})
 def engine_settings(
-    request: Request,
+    policies: Policies,
     response: Response,
     instance: str,
     _: Viewer,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Any:
     """What a (remote) engine instance should run; poll with If-None-Match."""
-    current = request.app.state.policies.current()
+    current = policies.current()
     etag = _etag(current.version)
     if if_none_match == etag:
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
     response.headers["ETag"] = etag
-    doc = PolicyDocument.model_validate(current.body)
-    return runtime_settings(doc, instance, request.app.state.startup_classes, current.version).model_dump(mode="json")
+    doc = policies.document(current)
+    return runtime_settings(doc, instance, set(policies.startup_classes), current.version).model_dump(mode="json")
 
 
 @router.get("/audit")
 def audit(
-    request: Request, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Offset = 0
+    policies: Policies, _: Viewer, limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Offset = 0
 ) -> list[dict[str, Any]]:
     return [
         {"id": a.id, "at": a.at.isoformat(), "actor": a.actor, "action": a.action, "reason": a.reason, "diff": a.diff}
-        for a in request.app.state.policies.audit(limit, offset)
+        for a in policies.repository.audit(limit, offset)
     ]

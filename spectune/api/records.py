@@ -8,16 +8,16 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import Engine, and_, func, or_, select
 
 from spectune.store.aggregates import acceptance_by_class, latency_by_class
 from spectune.store.models import AlertEvent, DiagnosticsReport, RequestRecordRow, StepStat, TunerDecision
 from spectune.store.retention import left_out
 
 from .auth import ERRORS, MAX_ID, ErrorOut, Offset, Operator, Principal, Role, Viewer
-from .classes import known_classes
+from .deps import Database, Diagnosis, Policies, known_class
 
 router = APIRouter(
     prefix="/api/v1", tags=["records"], responses={**ERRORS, 400: {"model": ErrorOut, "description": "Bad cursor"}}
@@ -40,15 +40,10 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise HTTPException(422, detail) from None
 
 
-def _known_class(request: Request, prompt_class: str | None) -> None:
-    # Classes of the classifier in force, and the start-up ones (records of either may be stored).
-    if prompt_class is not None and prompt_class not in known_classes(request) | request.app.state.startup_classes:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown prompt class {prompt_class!r}")
-
-
 @router.get("/records")
 def list_records(
-    request: Request,
+    db: Database,
+    policies: Policies,
     _: Viewer,
     limit: Limit = 100,
     cursor: str | None = None,
@@ -58,7 +53,7 @@ def list_records(
     until: datetime | None = None,
 ) -> dict[str, Any]:
     """Newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
-    _known_class(request, prompt_class)
+    known_class(policies, prompt_class)
     T = RequestRecordRow
     query = select(T.__table__).order_by(T.finish_time.desc(), T.request_id.desc()).limit(limit)
     if instance:
@@ -72,18 +67,18 @@ def list_records(
     if cursor:
         when, rid = _decode_cursor(cursor)
         query = query.where(or_(T.finish_time < when, and_(T.finish_time == when, T.request_id < rid)))
-    with request.app.state.db.connect() as conn:
+    with db.connect() as conn:
         rows = conn.execute(query).all()
     items = [dict(r._mapping) for r in rows]
     return {"items": items, "next_cursor": _encode_cursor(rows[-1]) if len(rows) == limit else None}
 
 
 @router.get("/records/{request_id}", responses={404: {"model": ErrorOut, "description": "No such record"}})
-def get_record(request: Request, _: Viewer, request_id: Annotated[str, Path(max_length=128)]) -> dict[str, Any]:
+def get_record(db: Database, _: Viewer, request_id: Annotated[str, Path(max_length=128)]) -> dict[str, Any]:
     """One record by id: the ``id`` of the OpenAI response it served (a completions request
     with several prompts has one record per prompt, ``<id>-<prompt index>``)."""
     T = RequestRecordRow
-    with request.app.state.db.connect() as conn:
+    with db.connect() as conn:
         row = conn.execute(select(T.__table__).where(T.request_id == request_id)).first()
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no record {request_id!r}")
@@ -102,14 +97,13 @@ class AcceptanceGroup(StrEnum):
 
 @router.get("/stats/acceptance")
 def acceptance(
-    request: Request,
+    db: Database,
     _: Viewer,
     window_s: Window = 300.0,
     instance: str | None = None,
     group_by: AcceptanceGroup = AcceptanceGroup.CLASS,
 ) -> dict[str, Any]:
     since = datetime.now(UTC) - timedelta(seconds=window_s)
-    db = request.app.state.db
     if group_by == AcceptanceGroup.BATCH:
         S = StepStat
         query = select(
@@ -158,23 +152,24 @@ def acceptance(
 
 @router.get("/stats/latency")
 def latency(
-    request: Request,
+    db: Database,
+    policies: Policies,
     _: Viewer,
     window_s: Window = 300.0,
     instance: str | None = None,
     prompt_class: Annotated[str | None, Query(alias="class")] = None,
 ) -> dict[str, Any]:
-    _known_class(request, prompt_class)
+    known_class(policies, prompt_class)
     since = datetime.now(UTC) - timedelta(seconds=window_s)
     out = []
-    for cls, entry in sorted(latency_by_class(request.app.state.db, since, None, instance, prompt_class).items()):
+    for cls, entry in sorted(latency_by_class(db, since, None, instance, prompt_class).items()):
         tokens = entry.pop("output_tokens")
         out.append({"class": cls, **entry, "output_tokens_per_s": tokens / window_s})
-    return {"window_s": window_s, "classes": out, "left_out": left_out(request.app.state.db, since, raw_only=True)}
+    return {"window_s": window_s, "classes": out, "left_out": left_out(db, since, raw_only=True)}
 
 
-def _rows(request: Request, model: Any, order: Any, limit: int, offset: int) -> list[dict[str, Any]]:
-    with request.app.state.db.connect() as conn:
+def _rows(db: Engine, model: Any, order: Any, limit: int, offset: int) -> list[dict[str, Any]]:
+    with db.connect() as conn:
         return [
             dict(r._mapping)
             for r in conn.execute(select(model.__table__).order_by(order.desc()).limit(limit).offset(offset)).all()
@@ -182,8 +177,8 @@ def _rows(request: Request, model: Any, order: Any, limit: int, offset: int) -> 
 
 
 @router.get("/decisions")
-def decisions(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
-    return _rows(request, TunerDecision, TunerDecision.at, limit, offset)
+def decisions(db: Database, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
+    return _rows(db, TunerDecision, TunerDecision.at, limit, offset)
 
 
 def _redacted(report: dict[str, Any], who: Principal) -> dict[str, Any]:
@@ -196,8 +191,8 @@ def _redacted(report: dict[str, Any], who: Principal) -> dict[str, Any]:
 
 
 @router.get("/diagnostics")
-def diagnostics(request: Request, who: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
-    return [_redacted(r, who) for r in _rows(request, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)]
+def diagnostics(db: Database, who: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
+    return [_redacted(r, who) for r in _rows(db, DiagnosticsReport, DiagnosticsReport.created_at, limit, offset)]
 
 
 class DiagnosisRequest(BaseModel):
@@ -212,19 +207,18 @@ class DiagnosisRequest(BaseModel):
     status_code=status.HTTP_202_ACCEPTED,
     responses={409: {"model": ErrorOut, "description": "No draft model to diagnose here"}},
 )
-def trigger_diagnosis(request: Request, body: DiagnosisRequest, _: Operator) -> dict[str, Any]:
+def trigger_diagnosis(runner: Diagnosis, policies: Policies, body: DiagnosisRequest, _: Operator) -> dict[str, Any]:
     """Start a draft diagnosis in the background; poll GET /diagnostics/{id}."""
-    runner = request.app.state.diagnosis
     if runner is None:
         raise HTTPException(status.HTTP_409_CONFLICT, "no draft model is configured on this instance to diagnose")
-    _known_class(request, body.prompt_class)
+    known_class(policies, body.prompt_class)
     report_id, _future = runner.submit("api", body.prompt_class, body.max_prompts)
     return {"id": report_id, "status": "running"}
 
 
 @router.get("/diagnostics/{report_id}")
-def diagnostic(request: Request, report_id: Annotated[int, Path(ge=1, le=MAX_ID)], who: Viewer) -> dict[str, Any]:
-    with request.app.state.db.connect() as conn:
+def diagnostic(db: Database, report_id: Annotated[int, Path(ge=1, le=MAX_ID)], who: Viewer) -> dict[str, Any]:
+    with db.connect() as conn:
         row = conn.execute(select(DiagnosticsReport.__table__).where(DiagnosticsReport.id == report_id)).first()
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no diagnostics report {report_id}")
@@ -232,5 +226,5 @@ def diagnostic(request: Request, report_id: Annotated[int, Path(ge=1, le=MAX_ID)
 
 
 @router.get("/alerts")
-def alerts(request: Request, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
-    return _rows(request, AlertEvent, AlertEvent.received_at, limit, offset)
+def alerts(db: Database, _: Viewer, limit: Limit = 100, offset: Offset = 0) -> list[dict[str, Any]]:
+    return _rows(db, AlertEvent, AlertEvent.received_at, limit, offset)
