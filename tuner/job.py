@@ -85,7 +85,7 @@ from .goodput import (
 )
 from .outcomes import LANDED, latency, realised
 from .paired_cost import ESTIMATOR, SPEEDUP_ESTIMATOR, control_share
-from .policy import Policy, PolicyDocument, TunerMode, draft_key, effective_policy
+from .policy import Policy, TunerMode, draft_key, effective_policy
 from .reads import RunReads, read_run
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Tuner:
         current = self.policies.repository.current()
         if current is None:
             return TunerRun([], None)
-        doc = PolicyDocument.model_validate(current.body)
+        doc = self.policies.document(current)
         reads = self._read(now, self._draft_since(current, now - self.cost_window))
         applied = inputs.last_applied(self.db)
         body, decisions = doc.body(), []

@@ -103,9 +103,10 @@ class PolicyService:
         return self.repository.write(body, expected, actor, reason, action, conn)
 
     async def write(self, doc: PolicyDocument, expected: int, actor: str, reason: str | None, action: str) -> Versioned:
-        """Write ``doc`` after version ``expected`` (StaleVersionError if it is not current) and
-        return once every subscriber runs it.  The database work runs in the thread pool."""
-        written = await run_in_threadpool(self.commit, doc.body(), expected, actor, reason, action)
+        """Write ``doc`` (returned by ``validated``: it is not validated again) after version
+        ``expected`` (StaleVersionError if it is not current) and return once every subscriber
+        runs it.  The database work runs in the thread pool."""
+        written = await run_in_threadpool(self.repository.write, doc.body(), expected, actor, reason, action)
         await self.publish(written)
         return written
 
