@@ -21,8 +21,8 @@ from rich.console import Console
 
 from spectune.engine import MemorySink, RuntimeSettings
 from spectune.engine.core import GenerationRequest, SpecEngine
-from spectune.engine.fidelity import NEAR_TIE_NATS
 from spectune.engine.models.prepare import demo_pair_paths
+from spectune.engine.schema import NEAR_TIE_NATS
 
 from .off_state import PROMPTS, engine_config
 
@@ -46,7 +46,7 @@ async def main(method: str, n: int, max_tokens: int, concurrency: int, out: Path
     pair = {k: str(v) for k, v in demo_pair_paths().items()}
     config = engine_config(pair["target"], method, pair["draft"] if method == "draft_model" else None)
     initial = RuntimeSettings(num_speculative_tokens=n)
-    config = config.model_copy(update={"num_speculative_tokens": n, "initial": initial})
+    config = config.model_copy(update={"max_speculative_tokens": n, "initial": initial})
     sink = MemorySink()
     engine = SpecEngine(config, [sink])
     await engine.start()

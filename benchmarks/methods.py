@@ -79,7 +79,7 @@ class Tally:
 
 def config(target: str, method: str, draft: str | None) -> EngineConfig:
     """``off_state``'s engine (bf16, off at start), with room for N = 6."""
-    return engine_config(target, method, draft).model_copy(update={"num_speculative_tokens": CAPACITY})
+    return engine_config(target, method, draft).model_copy(update={"max_speculative_tokens": CAPACITY})
 
 
 async def serve(engine: SpecEngine, sink: MemorySink, prompt: str, max_tokens: int):

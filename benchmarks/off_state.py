@@ -83,7 +83,7 @@ def engine_config(target: str, method: str, draft: str | None) -> EngineConfig:
         model=target,
         method=method,
         draft_model=draft,
-        num_speculative_tokens=CAPACITY,
+        max_speculative_tokens=CAPACITY,
         dtype="bfloat16",
         max_model_len=1024,
         max_num_seqs=8,

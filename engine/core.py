@@ -27,9 +27,9 @@ from typing import Any
 from . import drafter, faults, requests, stats, vllm_args
 from .classifier import PromptClassifier, UnknownClassError
 from .config import EngineConfig
-from .fidelity import PLAIN_ARG, Auditor
+from .fidelity import Auditor
 from .requests import EngineUnavailableError, GenerationRequest, InvalidRequestError
-from .schema import RuntimeSettings, StepRecord
+from .schema import CLASS_ARG, PLAIN_ARG, PROBE_ARG, RuntimeSettings, StepRecord
 from .sinks import RecordSink, fan_out
 from .stats import BatchAccountant, make_stat_logger
 from .telemetry import RequestTelemetry
@@ -96,7 +96,7 @@ class SpecEngine:
     def capacity(self) -> int:
         """Largest N the running engine accepts without a rebuild (0 = no drafter)."""
         cfg = self.active_config
-        return 0 if cfg.method == "none" else cfg.num_speculative_tokens
+        return 0 if cfg.method == "none" else cfg.max_speculative_tokens
 
     @property
     def started(self) -> bool:
@@ -209,19 +209,7 @@ class SpecEngine:
     # -- control -------------------------------------------------------------
     async def apply(self, settings: RuntimeSettings) -> RuntimeSettings:
         """Install new speculation settings; effective from the next engine step."""
-        too_big = [
-            n
-            for n in [settings.num_speculative_tokens]
-            + [c.num_speculative_tokens or 0 for c in settings.classes.values()]
-            + [r.num_speculative_tokens for r in settings.batch_table or ()]
-            + [r.num_speculative_tokens for c in settings.classes.values() for r in c.batch_table or ()]
-            if n > self.config.num_speculative_tokens
-        ]
-        if too_big:
-            raise ValueError(
-                f"N={max(too_big)} exceeds the engine capacity "
-                f"{self.config.num_speculative_tokens}; raising it needs a rebuild"
-            )
+        settings.check_capacity(self.config.max_speculative_tokens)
         await self._push_settings(settings)
         return settings
 
@@ -297,14 +285,14 @@ class SpecEngine:
         else:
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids") or []
         extra = params.extra_args or {}
-        explicit = explicit or extra.get(requests.CLASS_FIELD)
+        explicit = explicit or extra.get(CLASS_ARG)
         classifier = self.classifier
         if text is None and classifier.regex_rules and explicit is None:
             text = self._tokenizer.decode(ids)
         try:
             return classifier.classify(text or "", len(ids), explicit), len(ids), text
         except UnknownClassError as exc:
-            raise InvalidRequestError(str(exc), param=requests.CLASS_FIELD) from exc
+            raise InvalidRequestError(str(exc), param=CLASS_ARG) from exc
 
     async def serve(
         self,
@@ -353,7 +341,7 @@ class SpecEngine:
         if control:
             n_now = 0
         params = copy.copy(params)  # vLLM clones it again on admission; only extra_args is replaced here
-        params.extra_args = {**(params.extra_args or {}), "spectune_class": cls, "spectune_probe": probe}
+        params.extra_args = {**(params.extra_args or {}), CLASS_ARG: cls, PROBE_ARG: probe}
         if control:
             params.extra_args[PLAIN_ARG] = True
         asked = copy.copy(params)  # what a replay must ask for (before the audit's logprobs)

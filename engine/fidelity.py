@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .schema import FidelityRecord, RuntimeSettings
+from .schema import NEAR_TIE_NATS, PLAIN_ARG, FidelityRecord, RuntimeSettings
 from .sinks import fan_out
 
 if TYPE_CHECKING:
@@ -38,11 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Result = Literal["match", "near_tie", "defect"]
-PLAIN_ARG = "spectune_plain"  # sampling extra_args: the scheduler never lets this request draft
 AUDIT_LOGPROBS = 2  # top-2 per position: the margin needs the runner-up
 MAX_REPLAYS = 2  # replays in flight at once, by default; a request chosen beyond that is not audited (counted)
 # A bf16 logit of magnitude 16-32 moves in steps of 0.125: two ulps of slack above the ties measured.
-NEAR_TIE_NATS = 0.25
 # Argmax and logprobs come from the same logits: a correct greedy token is exactly the best.
 ARGMAX_SLACK_NATS = 1e-4
 

@@ -31,7 +31,8 @@ from vllm.exceptions import VLLMValidationError
 from .asgi import has_huge_int, has_lone_surrogate, read_body, replay, send_json, with_header
 from .classifier import UnknownClassError
 from .client import SpectuneEngineClient
-from .requests import CLASS_FIELD, CLASS_HEADER, REQUEST_CONTEXT, RequestContext
+from .requests import CLASS_HEADER, REQUEST_CONTEXT, RequestContext
+from .schema import CLASS_ARG
 
 if TYPE_CHECKING:
     from .core import SpecEngine
@@ -160,21 +161,21 @@ class OpenAIServer:
         if not isinstance(data, dict):
             return RequestContext(header_class), None, None
         rewritten = None
-        if CLASS_FIELD in data:  # vLLM would warn of an unknown field on every request
-            chosen = data.pop(CLASS_FIELD)
+        if CLASS_ARG in data:  # vLLM would warn of an unknown field on every request
+            chosen = data.pop(CLASS_ARG)
             rewritten = json.dumps(data).encode()
         else:
             chosen = None
         xargs = data.get("vllm_xargs")
         if chosen is None and isinstance(xargs, dict):
-            chosen = xargs.get(CLASS_FIELD)
+            chosen = xargs.get(CLASS_ARG)
         if chosen is None:
             chosen = header_class
         if chosen is not None:
             try:
                 self.engine.classifier.known(chosen)
             except UnknownClassError as exc:
-                return RequestContext(), None, _error(VLLMValidationError(str(exc), parameter=CLASS_FIELD))
+                return RequestContext(), None, _error(VLLMValidationError(str(exc), parameter=CLASS_ARG))
         single = data.get("prompt") is not None and _prompt_count(data) == 1
         return RequestContext(chosen, single_prompt_completion=single), rewritten, None
 

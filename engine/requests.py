@@ -13,7 +13,6 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
-CLASS_FIELD = "spectune_class"
 CLASS_HEADER = "x-spectune-class"
 
 

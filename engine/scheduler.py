@@ -38,20 +38,17 @@ from vllm.v1.engine.core import EngineCore
 
 from . import drafter, faults
 from .drafter import UnsupportedVllmError
-from .fidelity import PLAIN_ARG
-from .schema import RuntimeSettings
+from .schema import CLASS_ARG, PLAIN_ARG, PROBE_ARG, RuntimeSettings
 
-CLASS_ARG = "spectune_class"
-PROBE_ARG = "spectune_probe"
-DEFAULT_CLASS = "default"
 TOKEN_PROPOSERS = frozenset({"ngram", "ngram_gpu", "suffix"})
 
 
-def _request_tag(request: Any) -> tuple[str, bool, bool]:
-    """(prompt class, is a probe, runs plain) from the request's sampling extra_args."""
+def _request_tag(request: Any) -> tuple[str | None, bool, bool]:
+    """(prompt class, is a probe, runs plain) from the request's sampling extra_args; the class is
+    None for a request the engine did not tag (it runs the global settings)."""
     params = request.sampling_params  # None for pooling requests
     extra = (params.extra_args if params is not None else None) or {}
-    return extra.get(CLASS_ARG, DEFAULT_CLASS), bool(extra.get(PROBE_ARG, False)), bool(extra.get(PLAIN_ARG, False))
+    return extra.get(CLASS_ARG), bool(extra.get(PROBE_ARG, False)), bool(extra.get(PLAIN_ARG, False))
 
 
 def check_supported(scheduler: Scheduler) -> None:

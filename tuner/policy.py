@@ -17,9 +17,19 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from spectune.engine.classifier import PromptClassifier
-from spectune.engine.schema import BatchRange, ClassSettings, RuntimeSettings, SpeculationMethod, check_batch_table
+from spectune.engine.schema import (
+    DEFAULT_MAX_SPECULATIVE_TOKENS,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS_LIMIT,
+    NEAR_TIE_NATS,
+    BatchRange,
+    ClassSettings,
+    RuntimeSettings,
+    SpeculationMethod,
+    check_batch_table,
+)
 
-MAX_N = 16
+MAX_N = MAX_SPECULATIVE_TOKENS_LIMIT
 MAX_BATCH = 4096
 
 
@@ -46,7 +56,7 @@ class PolicyOverride(BaseModel):
     acceptance_floor: float | None = Field(default=None, ge=0.0, le=1.0)
     tuner_mode: TunerMode | None = None
     cooldown_s: float | None = Field(default=None, ge=0.0, le=86_400.0)
-    exploration_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    probe_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     control_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     control_budget: float | None = Field(default=None, ge=0.0, le=0.5)
     diagnosis_acceptance_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -68,16 +78,22 @@ class Policy(BaseModel):
         default=None, description="None: as the engine was started; a change rebuilds the engine"
     )
     draft_model: str | None = Field(default=None, description="None: as the engine was started")
-    num_speculative_tokens: int = Field(default=3, ge=0, le=MAX_N)
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=MAX_N)
     n_min: int = Field(default=0, ge=0, le=MAX_N)
-    n_max: int = Field(default=6, ge=0, le=MAX_N)
+    n_max: int = Field(default=DEFAULT_MAX_SPECULATIVE_TOKENS, ge=0, le=MAX_N)
     batch_table: list[BatchRange] = Field(default_factory=list)
     disable_below_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
     disable_above_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
     acceptance_floor: float = Field(default=0.70, ge=0.0, le=1.0)
     tuner_mode: TunerMode = TunerMode.AUTO
     cooldown_s: float = Field(default=300.0, ge=0.0, le=86_400.0)
-    exploration_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    probe_fraction: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=1.0,
+        description="Share of a switched-off class's requests that still speculate (probes), so that its "
+        "acceptance keeps being measured and speculation can come back",
+    )
     control_fraction: float = Field(
         default=0.0,
         ge=0.0,
@@ -116,7 +132,7 @@ class Policy(BaseModel):
         "by token (0: off)",
     )
     fidelity_near_tie_nats: float = Field(
-        default=0.25,
+        default=NEAR_TIE_NATS,
         gt=0.0,
         le=10.0,
         description="A divergence where the target's top-2 logprob margin is below this in both runs is a "
@@ -244,7 +260,7 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
             speculation_enabled=p.speculation_enabled,
             num_speculative_tokens=p.num_speculative_tokens,
             batch_table=batch_table(p),
-            probe_fraction=p.exploration_fraction,
+            probe_fraction=p.probe_fraction,
             control_fraction=p.control_fraction,
             audit_fraction=p.fidelity_audit_fraction,
         )
@@ -254,7 +270,7 @@ def runtime_settings(doc: PolicyDocument, instance: str, classes: set[str], vers
         num_speculative_tokens=base.num_speculative_tokens,
         batch_table=batch_table(base),
         classes=per_class,
-        probe_fraction=base.exploration_fraction,
+        probe_fraction=base.probe_fraction,
         control_fraction=base.control_fraction,
         audit_fraction=base.fidelity_audit_fraction,
         near_tie_nats=base.fidelity_near_tie_nats,

@@ -65,7 +65,7 @@ async def main(out: Path, max_tokens: int) -> None:
         model=pair["target"],
         method="draft_model",
         draft_model=pair["draft"],
-        num_speculative_tokens=CAPACITY,
+        max_speculative_tokens=CAPACITY,
         dtype="bfloat16",
         max_model_len=1024,
         max_num_seqs=max(CONCURRENCY),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from spectune.engine.schema import RuntimeSettings
 from spectune.store.policies import Versioned
-from spectune.tuner.policy import Policy, PolicyDocument, effective_policy, runtime_settings
+from spectune.tuner.policy import Policy, PolicyDocument, runtime_settings
 
 if TYPE_CHECKING:
     from spectune.engine.config import EngineConfig
@@ -29,7 +29,7 @@ def initial_policy(engine: SpecEngine) -> PolicyDocument:
             speculation_enabled=cfg.initial.speculation_enabled,
             num_speculative_tokens=n,
             n_min=0,
-            n_max=max(n, cfg.num_speculative_tokens),
+            n_max=max(n, cfg.max_speculative_tokens),
         )
     )
 
@@ -44,16 +44,9 @@ class EmbeddedControl:
         return set(self.engine.config.classifier.classes)
 
     def check(self, doc: PolicyDocument) -> None:
-        """Refuse what this engine cannot do without a restart."""
-        capacity = self.engine.config.num_speculative_tokens
-        for prompt_class in [None, *sorted(doc.known_classes(self.classes))]:
-            p = effective_policy(doc, self.engine.config.instance_id, prompt_class)
-            largest = max([p.num_speculative_tokens] + [r.num_speculative_tokens for r in p.batch_table])
-            if largest > capacity:
-                raise ValueError(
-                    f"num_speculative_tokens {largest} exceeds this engine's capacity {capacity} "
-                    f"(restart with --max-speculative-tokens {largest})"
-                )
+        """Refuse what this engine cannot do without a restart (the engine's own capacity check)."""
+        settings = runtime_settings(doc, self.engine.config.instance_id, self.classes, version=0)
+        settings.check_capacity(self.engine.config.max_speculative_tokens)
 
     async def apply(self, current: Versioned) -> RuntimeSettings:
         doc = PolicyDocument.model_validate(current.body)
