@@ -111,6 +111,8 @@ def serve(
         config = None if settings.no_engine else settings.engine_config(ctx.args)
     except DemoPairMissingError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except ValidationError as exc:  # e.g. --method draft_model with --model but no --draft-model
+        raise typer.BadParameter(_first_error(exc)) from exc
     if config is not None:
         _check_vllm_args(config)
     _log_to_stderr()

@@ -105,6 +105,8 @@ def test_an_n_above_the_capacity_is_a_clear_error_in_settings_and_on_the_command
         Settings(num_speculative_tokens=7, max_speculative_tokens=6)
     code, output = _run("serve", "--model", "m", "-n", "9", "--max-speculative-tokens", "4")
     assert code == 2 and "num_speculative_tokens (9) exceeds max_speculative_tokens (4)" in output
+    code, output = _run("serve", "--model", "m", "--method", "draft_model")
+    assert code == 2 and "method 'draft_model' needs draft_model" in output
     code, output = _run("serve", "--method", "medusa")
     assert code == 2 and "'medusa' is not one of 'none', 'ngram', 'draft_model', 'suffix'" in output
 

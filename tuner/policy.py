@@ -29,7 +29,6 @@ from spectune.engine.schema import (
     check_batch_table,
 )
 
-MAX_N = MAX_SPECULATIVE_TOKENS_LIMIT
 MAX_BATCH = 4096
 
 
@@ -47,9 +46,13 @@ class PolicyOverride(BaseModel):
     speculation_enabled: bool | None = None
     method: SpeculationMethod | None = None
     draft_model: str | None = None
-    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_N)
-    n_min: int | None = Field(default=None, ge=0, le=MAX_N, description="Lowest N the tuner may choose")
-    n_max: int | None = Field(default=None, ge=0, le=MAX_N, description="Highest N the tuner may choose")
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS_LIMIT)
+    n_min: int | None = Field(
+        default=None, ge=0, le=MAX_SPECULATIVE_TOKENS_LIMIT, description="Lowest N the tuner may choose"
+    )
+    n_max: int | None = Field(
+        default=None, ge=0, le=MAX_SPECULATIVE_TOKENS_LIMIT, description="Highest N the tuner may choose"
+    )
     batch_table: list[BatchRange] | None = None
     disable_below_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH, description="Off for batch < this")
     disable_above_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH, description="Off for batch > this")
@@ -78,9 +81,9 @@ class Policy(BaseModel):
         default=None, description="None: as the engine was started; a change rebuilds the engine"
     )
     draft_model: str | None = Field(default=None, description="None: as the engine was started")
-    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=MAX_N)
-    n_min: int = Field(default=0, ge=0, le=MAX_N)
-    n_max: int = Field(default=DEFAULT_MAX_SPECULATIVE_TOKENS, ge=0, le=MAX_N)
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=MAX_SPECULATIVE_TOKENS_LIMIT)
+    n_min: int = Field(default=0, ge=0, le=MAX_SPECULATIVE_TOKENS_LIMIT)
+    n_max: int = Field(default=DEFAULT_MAX_SPECULATIVE_TOKENS, ge=0, le=MAX_SPECULATIVE_TOKENS_LIMIT)
     batch_table: list[BatchRange] = Field(default_factory=list)
     disable_below_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
     disable_above_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
