@@ -103,16 +103,14 @@ def serve(
     }
     try:
         settings = Settings(**overrides)
+        # An engine config the settings cannot build (draft_model without a draft) is a usage error too.
+        config = None if settings.no_engine else settings.engine_config(ctx.args)
     except ValidationError as exc:
         raise typer.BadParameter(_first_error(exc)) from exc
-    if settings.no_engine and ctx.args:
-        raise typer.BadParameter(f"vLLM arguments {' '.join(ctx.args)} need an engine (not --no-engine)")
-    try:
-        config = None if settings.no_engine else settings.engine_config(ctx.args)
     except DemoPairMissingError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    except ValidationError as exc:  # e.g. --method draft_model with --model but no --draft-model
-        raise typer.BadParameter(_first_error(exc)) from exc
+    if settings.no_engine and ctx.args:
+        raise typer.BadParameter(f"vLLM arguments {' '.join(ctx.args)} need an engine (not --no-engine)")
     if config is not None:
         _check_vllm_args(config)
     _log_to_stderr()

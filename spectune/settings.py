@@ -8,7 +8,6 @@ serve``'s flags take their help and shown defaults from these fields (``spectune
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
@@ -133,8 +132,8 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             kv_cache_space_gib=self.kv_cache_space_gib,
-            instance_id=self.instance_id or socket.gethostname(),
-            **({"classifier": self.classifier} if self.classifier is not None else {}),
+            # unset: EngineConfig's own defaults (the host name, the default classifier)
+            **{k: v for k, v in {"instance_id": self.instance_id, "classifier": self.classifier}.items() if v},
             prompt_sample_rate=self.prompt_sample_rate,
             vllm_args=list(vllm_args or []),
             initial=RuntimeSettings(
