@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, func, select, update
+from sqlalchemy.orm import aliased
 
 from .aggregates import ArmLatency, acceptance_by_class, latency_by_arm
 from .models import StepStat, TunerDecision
@@ -229,11 +230,18 @@ MEASUREMENT_ACTIONS = ("explore", "cost_probe", "reprobe")  # measurements: no c
 
 @dataclass(frozen=True)
 class Applied:
-    """One applied tuner decision: what it did, when, and the N it left at its batch bucket."""
+    """One applied tuner decision: what it did, when, the N it found and left at its batch bucket, and
+    when the class's next applied decision replaced it (None: still in force)."""
 
     action: str
     at: datetime
+    n_before: int
     n_after: int
+    until: datetime | None = None
+
+    def in_force_for(self, now: datetime) -> timedelta:
+        """How long its setting ran: until the next applied decision, or until ``now``."""
+        return (self.until or now) - self.at
 
 
 @dataclass(frozen=True)
@@ -252,6 +260,10 @@ class LastApplied:
             at = max((a.at for a in done.values() if a.action not in MEASUREMENT_ACTIONS), default=None)
         return timedelta.max if at is None else now - at
 
+    def last(self, prompt_class: str, action: str) -> Applied | None:
+        """The class's last applied ``action``, if any."""
+        return self.by_class.get(prompt_class, {}).get(action)
+
     def exploration(self, prompt_class: str) -> Applied | None:
         """The exploration in force: the class's last applied decision, where it is an ``explore``."""
         latest = max(self.by_class.get(prompt_class, {}).values(), key=lambda a: a.at, default=None)
@@ -267,15 +279,21 @@ def last_applied(db: Engine) -> LastApplied:
         .group_by(D.prompt_class, D.action)
         .subquery()
     )
+    later = aliased(D)
+    until = (
+        select(func.min(later.at))
+        .where(later.prompt_class == D.prompt_class, later.applied.is_(True), later.at > D.at)
+        .scalar_subquery()
+    )
     with db.connect() as conn:
         rows = conn.execute(
-            select(D.prompt_class, D.action, D.at, D.n_after)
+            select(D.prompt_class, D.action, D.at, D.n_before, D.n_after, until)
             .join(last, (D.prompt_class == last.c.prompt_class) & (D.action == last.c.action) & (D.at == last.c.at))
             .where(D.applied.is_(True))
         ).all()
     by_class: dict[str, dict[str, Applied]] = defaultdict(dict)
-    for cls, action, at, n_after in rows:
-        by_class[cls][action] = Applied(action, at, n_after)
+    for cls, action, at, n_before, n_after, replaced in rows:
+        by_class[cls][action] = Applied(action, at, n_before, n_after, replaced)
     return LastApplied(dict(by_class))
 
 

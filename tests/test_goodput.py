@@ -434,3 +434,48 @@ def test_an_exploration_is_held_exactly_while_choose_n_would_call_it_unmeasured(
     fit = CostFit(0.10, 0.3, "fit", measured={0: 0.10, **({n: 0.13} if step_measured else {})})
     measured = step_measured and n <= len(trials) and trials[n - 1] >= MIN_TRIALS
     assert (exploring(n, fit, trials, held_s, hold_s=300) is not None) == (not measured and held_s < 300)
+
+
+def test_an_exploration_costs_what_it_lost_against_the_n_it_replaced():
+    from spectune.tuner.goodput import exploration_loss
+
+    alphas = [0.8, 0.6, 0.4]
+    s1, s2 = speedup(alphas, 1, 0.5), speedup(alphas, 2, 0.5)
+    assert s2 < s1  # at this cost N=2 loses to N=1
+    assert exploration_loss(alphas, 2, 1, 0.5) == pytest.approx(1 - s2 / s1)
+    assert exploration_loss(alphas, 1, 2, 0.5) == 0.0  # a gain costs nothing
+    assert exploration_loss(alphas, 0, 1, 0.5) == pytest.approx(1 - 1 / s1)  # plain at a bucket: what N=1 gained
+
+
+def test_the_explore_budget_repays_an_exploration_before_the_next():
+    from spectune.tuner.decide import exploration_unpaid
+
+    assert exploration_unpaid(0.02, None, 0, 0, spacing_s=30) is None  # the first exploration
+    assert exploration_unpaid(0.0, None, 0, 0) == "explore_budget is 0"  # never
+    # Lost 5 % for 60 s at a 2 % budget: repaid 150 s after it began, and not one second before.
+    why = exploration_unpaid(0.02, 0.05, held_s=60, since_s=100)
+    assert why is not None and why.startswith("the next exploration waits 50 s")
+    assert exploration_unpaid(0.02, 0.05, held_s=60, since_s=150) is None
+    assert exploration_unpaid(0.02, 0.0, held_s=60, since_s=30) is None  # cost nothing: repaid at once
+    spaced = exploration_unpaid(0.02, 0.0, held_s=10, since_s=20, spacing_s=30)
+    assert spaced == "the last exploration began 20 s ago (at most one per 30 s)"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(0.005, 0.5),
+    st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(1.0, 300.0), st.floats(1.0, 120.0)), min_size=1, max_size=40),
+)
+def test_explorations_started_whenever_allowed_cost_at_most_the_budget_plus_the_last_one(budget, explorations):
+    """Whatever each exploration loses and however long it is held, a tuner that explores as soon as
+    ``exploration_unpaid`` allows spends at most ``budget`` of the elapsed time, plus the one
+    exploration not yet repaid."""
+    from spectune.tuner.decide import exploration_unpaid
+
+    t, spent, last = 0.0, 0.0, None  # last: (began, loss, held)
+    for loss, held, gap in explorations:
+        while last is not None and exploration_unpaid(budget, last[1], last[2], t - last[0]) is not None:
+            t += gap  # decide again an interval later
+        spent += loss * held
+        last, t = (t, loss, held), t + held
+    assert spent <= budget * t + last[1] * last[2] + 1e-6

@@ -13,6 +13,7 @@ from sqlalchemy import insert
 from spectune.control import PolicyService
 from spectune.engine.schema import BatchRange
 from spectune.store.db import insert_records, make_engine, upgrade
+from spectune.store.models import TunerDecision
 from spectune.store.policies import PolicyRepository
 from spectune.tuner.goodput import position_acceptance
 from spectune.tuner.job import Tuner
@@ -763,3 +764,36 @@ def test_an_explored_n_is_held_until_measured_then_decided_on(tmp_path):
     (decided,) = tuner.run_once()
     assert not decided["inputs"]["reason"].startswith("exploring"), decided["inputs"]["reason"]
     assert decided["inputs"]["position_acceptance"]["trials"][1] >= 30
+
+
+@pytest.mark.parametrize(("budget", "began_s"), [(0.001, 60), (0.5, 60), (0.5, 20), (0.0, 60)])
+def test_an_exploration_is_paid_from_the_explore_budget(tmp_path, budget, began_s):
+    """N=2 is unmeasured and within the explore margin of N=1, so the tuner would explore it.  N=2 was
+    explored before, for 40 s (or until 10 s ago), and by the model it cost about 1 % of tokens/s
+    against N=1: a budget of 0.1 % has not repaid that 60 s later (the row says how long the next
+    exploration waits), 50 % has; none explores within three intervals (30 s) of the last
+    exploration; a budget of 0 never explores."""
+    plain_above_1 = [BatchRange(min_batch=2, max_batch=4096, num_speculative_tokens=0)]  # as decided before
+    db, tuner, now = _clocked_tuner(tmp_path, timedelta(seconds=10), n_min=1, n_max=2, num_speculative_tokens=1,
+                                    explore_budget=budget, batch_table=plain_above_1)  # fmt: skip
+    _steps(db, now[0] - 120, {1: {0: 0.10, 1: 0.13}}, steps=400)
+    insert_records(db, _qa_records(20, [10], [6], now[0] - 120, "window"))
+    at = lambda s: datetime.fromtimestamp(now[0] - s, UTC)  # noqa: E731
+    past = dict(instance_id="*", prompt_class="qa", batch_bucket=1, mode="auto", inputs={}, applied=True)
+    with db.begin() as conn:
+        conn.execute(insert(TunerDecision), [
+            dict(past, at=at(began_s), action="explore", n_before=1, n_after=2),
+            dict(past, at=at(max(began_s - 40, 10)), action="set_n", n_before=2, n_after=1),
+        ])  # fmt: skip
+    (row,) = tuner.run_once()
+    reason = row["inputs"]["reason"]
+    if (budget, began_s) == (0.5, 60):
+        assert row["action"] == "explore" and row["applied"] and row["n_after"] == 2, reason
+        return
+    assert row["action"] == "keep" and not row["applied"] and row["n_after"] == 1, reason
+    if budget == 0.0:
+        assert reason.endswith("; not exploring N=2: explore_budget is 0"), reason
+    elif began_s == 20:
+        assert reason.endswith("; not exploring N=2: the last exploration began 20 s ago (at most one per 30 s)")
+    else:
+        assert "; not exploring N=2: the next exploration waits " in reason and "for 40 s, repaid at" in reason

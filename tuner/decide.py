@@ -144,6 +144,31 @@ def exploring(
             f"{MIN_TRIALS} trials, {step}")  # fmt: skip
 
 
+def exploration_unpaid(
+    budget: float, loss: float | None, held_s: float, since_s: float, spacing_s: float = 0.0
+) -> str | None:
+    """Why the class may not explore now -- None where it may.
+
+    Exploring an unmeasured N may cost at most ``budget`` of the class's tokens/s: the last
+    exploration began ``since_s`` ago and ran ``held_s`` seconds at ``loss`` below the N it
+    replaced (``goodput.exploration_loss``; ``loss`` None: there was none).  The budget repays it at
+    ``budget`` per second from when it began, so the next may start once
+    budget x since_s >= loss x held_s: an exploration that cost nothing is repaid at once, one that
+    lost 5 % for a minute after 2.5 minutes at a 2 % budget.  Nor sooner than ``spacing_s`` after
+    the last began.  A budget of 0 never explores."""
+    if budget <= 0:
+        return "explore_budget is 0"
+    if loss is None:
+        return None
+    if since_s < spacing_s:
+        return f"the last exploration began {since_s:.0f} s ago (at most one per {spacing_s:.0f} s)"
+    wait = loss * held_s / budget - since_s
+    if wait <= 0:
+        return None
+    return (f"the next exploration waits {wait:.0f} s: the last one cost {loss:.1%} for {held_s:.0f} s, "
+            f"repaid at the explore_budget of {budget * 100:g} %")  # fmt: skip
+
+
 def below_plain(measured: Measured, bucket: int, n: int) -> RatioEstimate | None:
     """The measured speedup of N at ``bucket`` where even its upper bound is below plain, else None.
     Measured beats modelled: whatever the goodput model predicts, N does not run there."""

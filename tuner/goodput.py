@@ -211,6 +211,12 @@ def unmeasured(n: int, cost: CostFit, position_samples: Sequence[int]) -> bool:
     return n not in cost.measured or n > len(position_samples) or position_samples[n - 1] < MIN_TRIALS
 
 
+def exploration_loss(alphas: Sequence[float], explored: int, replaced: int, cost: float | CostFit) -> float:
+    """Share of tokens/s that running ``explored`` instead of ``replaced`` cost (0: none, or a gain), by
+    the model as it stands -- after the exploration, with what it measured of ``explored``."""
+    return max(0.0, 1.0 - speedup(alphas, explored, cost) / speedup(alphas, replaced, cost))
+
+
 @dataclass(frozen=True)
 class Decision:
     n: int

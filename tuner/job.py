@@ -19,7 +19,8 @@ from the next interval.  So does a class's TTFT budget: where its speculating
 requests' p95 time to first token is above it and plain ones are faster, the
 class goes off, and stays off until its probes are within it
 (``decide.ttft_over_budget``).  An explored N in force is held, guard aside, until
-it is measured (``decide.exploring``), for at most a window.  When a class goes
+it is measured (``decide.exploring``), for at most a window; explorations are paid
+from the policy's ``explore_budget`` (``decide.exploration_unpaid``).  When a class goes
 off for low acceptance, a draft diagnosis is started.
 
 Each run also closes earlier decisions: the *realised* speedup of a decision
@@ -67,6 +68,7 @@ from .decide import (
     decide_batch_table,
     decide_class,
     drafts_at,
+    exploration_unpaid,
     exploring,
     guard,
     open_for_probes,
@@ -78,6 +80,7 @@ from .goodput import (
     acceptance_shifted,
     bucket_sizes,
     choose_n,
+    exploration_loss,
     position_acceptance,
     remembered,
     speedup,
@@ -166,13 +169,11 @@ class Tuner:
             if policy.tuner_mode == TunerMode.FROZEN:
                 continue
             cooling = applied.age(cls, now) < timedelta(seconds=policy.cooldown_s)
-            if applied.age(cls, now, "explore") < min(self.window, 3 * self.interval):
-                # Explorations are spaced: each needs a few intervals to be measured, and churn costs.
-                policy = policy.model_copy(update={"explore_margin": 0.0})
             # No second probe before the first one's steps are in the store.
             settling = applied.age(cls, now, "cost_probe") < PROBE_SETTLE + self.interval
             decided = self._decide(cls, policy, reads, now, current.version, may_probe=not settling, cooling=cooling,
-                                   explored=applied.exploration(cls))  # fmt: skip
+                                   explored=applied.exploration(cls),
+                                   last_explore=applied.last(cls, "explore"))  # fmt: skip
             if decided is None:
                 continue  # changed less than a cooldown ago, and the guard has nothing against it
             row, override = decided
@@ -228,6 +229,20 @@ class Tuner:
                 return r_drafted, r_accepted, True
         return drafted, accepted, False
 
+    def _exploration_unpaid(
+        self, policy: Policy, alphas: list[float], cost: float | CostFit, last: inputs.Applied | None, now: datetime
+    ) -> str | None:
+        """``decide.exploration_unpaid`` for the class's last applied exploration: its loss by the model
+        as it stands, for as long as it ran but at most the window it may be held (an explored N the
+        tuner keeps once measured is its choice, no longer an exploration).  Explorations are also
+        spaced by three intervals (at most a window): each needs a few to be measured."""
+        spacing = min(self.window, 3 * self.interval).total_seconds()
+        if last is None:
+            return exploration_unpaid(policy.explore_budget, None, 0.0, 0.0)
+        loss = exploration_loss(alphas, last.n_after, last.n_before, cost)
+        held = min(last.in_force_for(now), self.window).total_seconds()
+        return exploration_unpaid(policy.explore_budget, loss, held, (now - last.at).total_seconds(), spacing)
+
     @staticmethod
     def _reprobe(d: ClassDecision, busiest: int) -> bool:
         """Whether a busiest bucket that drafts nothing opens to probes: where nothing of the draft in
@@ -247,11 +262,14 @@ class Tuner:
         may_probe: bool = True,
         cooling: bool = False,
         explored: inputs.Applied | None = None,
+        last_explore: inputs.Applied | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """One class: the decision row, and the class override to write (None: nothing to apply).
         ``cooling`` (changed less than a cooldown ago): only the guard may act; None when it does not.
         ``explored``: the exploration in force, if the class's last applied decision was one: held
-        until measured (``decide.exploring``), for at most a window, unless acceptance shifted."""
+        until measured (``decide.exploring``), for at most a window, unless acceptance shifted.
+        ``last_explore``: the class's last applied exploration, which the next one waits to have
+        repaid from the explore budget (``decide.exploration_unpaid``)."""
         drafted, accepted, shifted = self._acceptance(cls, reads)
         busiest, steps = reads.busiest, reads.steps
         costs = costs_by_bucket(
@@ -276,6 +294,13 @@ class Tuner:
             if b != busiest
         )
         d = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere, estimate=estimate)
+        if d.action == "explore" and alphas is not None:
+            unpaid = self._exploration_unpaid(policy, alphas, here_cost, last_explore, now)
+            if unpaid is not None:  # what the class decides without exploring, and why it did not explore
+                policy = policy.model_copy(update={"explore_margin": 0.0})
+                kept = decide_class(policy, drafted, accepted, here_cost, pays_elsewhere=pays_elsewhere,
+                                    estimate=estimate)  # fmt: skip
+                d = replace(kept, reason=f"{kept.reason}; not exploring N={d.n}: {unpaid}")
         table, probes = policy.batch_table, set()
         if d.acceptance is None:
             alphas = None

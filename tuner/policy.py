@@ -67,6 +67,7 @@ class PolicyOverride(BaseModel):
     draft_cost_prior: float | None = Field(default=None, ge=0.0, le=5.0)
     min_gain: float | None = Field(default=None, ge=0.0, le=1.0)
     explore_margin: float | None = Field(default=None, ge=0.0, le=1.0)
+    explore_budget: float | None = Field(default=None, ge=0.0, le=0.5)
     fidelity_audit_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     ttft_budget_s: float | None = Field(default=None, gt=0.0, le=3600.0)
 
@@ -126,6 +127,14 @@ class Policy(BaseModel):
         ge=0.0,
         le=1.0,
         description="Try an unmeasured neighbouring N when the model puts it within this share of the current N",
+    )
+    explore_budget: float = Field(
+        default=0.02,
+        ge=0.0,
+        le=0.5,
+        description="Share of a class's tokens/s that exploring may cost: after an exploration that ran L below "
+        "the N it replaced for H seconds, the next waits until L x H / budget seconds after it began "
+        "(0: never explore)",
     )
     fidelity_audit_fraction: float = Field(
         default=0.01,
