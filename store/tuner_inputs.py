@@ -239,6 +239,11 @@ class Applied:
     n_after: int
     until: datetime | None = None
 
+    @property
+    def in_force(self) -> bool:
+        """Whether its setting still runs: no applied decision of the class came after it."""
+        return self.until is None
+
     def in_force_for(self, now: datetime) -> timedelta:
         """How long its setting ran: until the next applied decision, or until ``now``."""
         return (self.until or now) - self.at
@@ -265,9 +270,9 @@ class LastApplied:
         return self.by_class.get(prompt_class, {}).get(action)
 
     def exploration(self, prompt_class: str) -> Applied | None:
-        """The exploration in force: the class's last applied decision, where it is an ``explore``."""
-        latest = max(self.by_class.get(prompt_class, {}).values(), key=lambda a: a.at, default=None)
-        return latest if latest is not None and latest.action == "explore" else None
+        """The exploration in force: the class's last applied ``explore``, where nothing replaced it."""
+        explored = self.last(prompt_class, "explore")
+        return explored if explored is not None and explored.in_force else None
 
 
 def last_applied(db: Engine) -> LastApplied:

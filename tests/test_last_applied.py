@@ -38,7 +38,7 @@ def test_last_applied_per_action_the_last_change_and_the_setting_in_force_and_un
     assert applied.age("qa", now, "cost_probe") == timedelta(minutes=11)
     explored = applied.exploration("qa")  # the last applied decision: its setting is in force
     assert (explored.action, explored.at, explored.n_after) == ("explore", T0 + timedelta(minutes=10), 3)
-    assert explored.until is None and explored.in_force_for(now) == timedelta(minutes=10)
+    assert explored.until is None and explored.in_force and explored.in_force_for(now) == timedelta(minutes=10)
     # The set_n of minute 5 ran until the explore of minute 8; a cost probe, a measurement, ends one too.
     earlier = applied.last("qa", "set_n")
     assert (earlier.n_before, earlier.n_after, earlier.until) == (3, 4, T0 + timedelta(minutes=8))

@@ -172,7 +172,6 @@ class Tuner:
             # No second probe before the first one's steps are in the store.
             settling = applied.age(cls, now, "cost_probe") < PROBE_SETTLE + self.interval
             decided = self._decide(cls, policy, reads, now, current.version, may_probe=not settling, cooling=cooling,
-                                   explored=applied.exploration(cls),
                                    last_explore=applied.last(cls, "explore"))  # fmt: skip
             if decided is None:
                 continue  # changed less than a cooldown ago, and the guard has nothing against it
@@ -261,15 +260,14 @@ class Tuner:
         version: int,
         may_probe: bool = True,
         cooling: bool = False,
-        explored: inputs.Applied | None = None,
         last_explore: inputs.Applied | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """One class: the decision row, and the class override to write (None: nothing to apply).
         ``cooling`` (changed less than a cooldown ago): only the guard may act; None when it does not.
-        ``explored``: the exploration in force, if the class's last applied decision was one: held
-        until measured (``decide.exploring``), for at most a window, unless acceptance shifted.
-        ``last_explore``: the class's last applied exploration, which the next one waits to have
-        repaid from the explore budget (``decide.exploration_unpaid``)."""
+        ``last_explore``: the class's last applied exploration.  While nothing replaced it, it is in
+        force and held until measured (``decide.exploring``), for at most a window, unless acceptance
+        shifted; the next one waits until it is repaid from the explore budget
+        (``decide.exploration_unpaid``)."""
         drafted, accepted, shifted = self._acceptance(cls, reads)
         busiest, steps = reads.busiest, reads.steps
         costs = costs_by_bucket(
@@ -315,6 +313,7 @@ class Tuner:
         before = n_for_batch(policy.batch_table, busiest or 1, policy.num_speculative_tokens)
         before = before if policy.speculation_enabled else 0
         held = None
+        explored = last_explore if last_explore is not None and last_explore.in_force else None
         if explored is not None and estimate is not None and not shifted and busiest is not None:
             if before > 0 and before == explored.n_after:  # the explored N still runs there
                 held = exploring(before, here_cost, estimate.samples, (now - explored.at).total_seconds(),
